@@ -1,0 +1,98 @@
+"""The ``specray`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+BUILTIN_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _builtin(name: str) -> str | None:
+    path = BUILTIN_MODELS / name
+    return str(path) if (path / "config.json").exists() else None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model dir or hub id (default: the built-in pair)")
+    p.add_argument("--draft", default=None, help="draft model dir or hub id (default: the built-in pair)")
+    p.add_argument("--proposer", default="draft", choices=["draft", "ngram", "none"])
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-address", default=None)
+
+
+def _config(args):
+    from runtime.config import RuntimeConfig
+
+    target = args.target or _builtin("tiny-target")
+    if target is None:
+        raise SystemExit("no --target given and the built-in pair is missing under models/")
+    draft = None
+    if args.proposer == "draft":
+        draft = args.draft or (_builtin("tiny-draft") if args.target is None else None)
+        if draft is None:
+            raise SystemExit("--proposer draft needs --draft")
+    return RuntimeConfig(target=target, draft=draft, proposer=args.proposer,
+                         num_speculative_tokens=args.num_speculative_tokens, device=args.device,
+                         dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                         seed=args.seed, ray_address=args.ray_address)
+
+
+def cmd_generate(args) -> int:
+    from runtime import SamplingParams, SpecRuntime
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
+    rt = SpecRuntime(_config(args))
+    try:
+        t0 = time.perf_counter()
+        pieces = []
+        print(args.prompt, end="", flush=True)
+        for delta in rt.stream(args.prompt, params):
+            print(delta.text, end="", flush=True)
+            pieces.append(delta)
+        elapsed = time.perf_counter() - t0
+        m = rt.metrics()
+    finally:
+        rt.shutdown()
+    n = sum(len(d.token_ids) for d in pieces)
+    print()
+    print(f"\n[specray] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tokens/s, includes the first step's "
+          f"prefill); finish_reason={pieces[-1].finish_reason if pieces else None}")
+    print(f"[specray] proposer={m['proposer']} k={m['num_speculative_tokens']} "
+          f"acceptance_rate={m['acceptance_rate']:.3f} mean_accepted_length={m['mean_accepted_length']:.2f} "
+          f"system_efficiency={m['system_efficiency']:.3f} decode tokens/s={m['tokens_per_s']:.1f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1") if _builtin("tiny-target") else None
+    parser = argparse.ArgumentParser(prog="specray", description="Exact speculative decoding on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a continuation of one prompt")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"specray: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

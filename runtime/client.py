@@ -1,0 +1,117 @@
+"""``SpecRuntime``: the client handle users hold."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence as Seq
+
+import ray
+
+from runtime.config import RuntimeConfig
+from runtime.driver import DriverCore, SubmitReply
+from runtime.ray_env import ensure_ray
+from runtime.request_output import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+class Driver(DriverCore):
+    """The driver actor. Threaded, so stream polls and submits are answered while the
+    step loop waits on workers."""
+
+
+RemoteDriver = ray.remote(max_concurrency=256)(Driver)
+
+_POLL_S = 1.0
+
+
+class SpecRuntime:
+    def __init__(self, config: RuntimeConfig) -> None:
+        if not isinstance(config, RuntimeConfig):
+            raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
+        self._owns_ray = ensure_ray(config.ray_address, config.namespace)
+        opts = {"num_cpus": 0}
+        if config.name:
+            opts.update(name=config.name, namespace=config.namespace)
+        if config.detached:
+            opts["lifetime"] = "detached"
+        self._driver = RemoteDriver.options(**opts).remote(config)
+        self._info = ray.get(self._driver.info.remote())
+        self._closed = False
+
+    @classmethod
+    def connect(cls, name: str = "specray", namespace: str = "specray",
+                address: str | None = None) -> "SpecRuntime":
+        """Attach to a driver started elsewhere (``specray serve``)."""
+        ensure_ray(address if address is not None else "auto" if not ray.is_initialized() else None, namespace)
+        try:
+            driver = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise ValueError(f"no specray driver named {name!r} in namespace {namespace!r} is running") from None
+        self = cls.__new__(cls)
+        self._owns_ray = False
+        self._driver = driver
+        self._info = ray.get(driver.info.remote())
+        self._closed = False
+        return self
+
+    @property
+    def info(self) -> dict:
+        return dict(self._info)
+
+    # -- requests ------------------------------------------------------------------
+    def _submit(self, prompts: list, params) -> list[str]:
+        if isinstance(params, (list, tuple)):
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        else:
+            plist = [params if params is not None else SamplingParams()] * len(prompts)
+        for i, p in enumerate(plist):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"request {i}: params must be SamplingParams, got {type(p).__name__}")
+        reply: SubmitReply = ray.get(self._driver.submit.remote(prompts, plist))
+        if reply.error:
+            raise ValueError(reply.error)
+        return reply.request_ids
+
+    def generate(self, prompts: Seq, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of prompts (strings or token-id lists)")
+        ids = self._submit(list(prompts), params)
+        if not ids:
+            return []
+        while True:
+            outs = ray.get(self._driver.wait.remote(ids, _POLL_S))
+            if outs is not None:
+                return outs
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields the new part of the output as it is produced; the last one carries
+        ``finish_reason``."""
+        (rid,) = self._submit([prompt], params)
+        while True:
+            delta = ray.get(self._driver.poll.remote(rid, _POLL_S))
+            if delta is None:
+                continue
+            if delta.token_ids or delta.finished:
+                yield delta
+            if delta.finished:
+                return
+
+    def metrics(self) -> dict:
+        return ray.get(self._driver.metrics.remote())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            ray.get(self._driver.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self._driver)
+            if self._owns_ray:
+                ray.shutdown()
+
+    def __enter__(self) -> "SpecRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

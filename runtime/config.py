@@ -1,0 +1,76 @@
+"""The runtime's one validated configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROPOSERS = ("draft", "ngram", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class RuntimeConfig:
+    target: str
+    draft: str | None = None
+    proposer: str = "draft"                 # "draft" | "ngram" | "none"
+    num_speculative_tokens: int = 4
+    block_size: int = 16
+    num_kv_blocks: int | None = None         # per worker; None: from memory
+    max_model_len: int | None = None         # None: the target's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    num_draft_workers: int = 1
+    num_target_workers: int = 1
+    draft_resources: dict[str, float] = field(default_factory=dict)
+    target_resources: dict[str, float] = field(default_factory=dict)
+    ray_address: str | None = None
+    name: str | None = None                  # a named driver can be attached with SpecRuntime.connect
+    namespace: str = "specray"
+    detached: bool = False
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError("target must be a model path or hub id")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+        if self.proposer == "draft" and not self.draft:
+            raise ValueError("draft must be set when proposer='draft'")
+        if self.proposer != "draft" and self.draft:
+            raise ValueError(f"draft must be None when proposer={self.proposer!r}")
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens, allow_zero=self.proposer == "none")
+        _positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:
+                raise ValueError("max_model_len must be >= 2")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        _positive_int("seed", self.seed, allow_zero=True)
+        _positive_int("num_draft_workers", self.num_draft_workers)
+        _positive_int("num_target_workers", self.num_target_workers)
+        if self.num_draft_workers != 1 or self.num_target_workers != 1:
+            raise ValueError("num_draft_workers and num_target_workers must be 1 in this release")
+        for name in ("draft_resources", "target_resources"):
+            res = getattr(self, name)
+            if not isinstance(res, dict) or any(not isinstance(v, (int, float)) or v < 0 for v in res.values()):
+                raise ValueError(f"{name} must map resource names to non-negative amounts")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def k(self) -> int:
+        return 0 if self.proposer == "none" else self.num_speculative_tokens
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        raise ValueError(f"{name} must be an int >= {0 if allow_zero else 1}, got {value!r}")

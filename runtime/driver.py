@@ -1,0 +1,297 @@
+"""The driver: owns the scheduler and the workers, runs the step loop on its own thread,
+and serves clients (submit, wait, stream polls, metrics) concurrently.
+
+As a Ray actor (``Driver``) it is threaded: client calls are answered while the loop
+thread waits on workers. With ``backend="local"`` the same class runs the workers
+in-process, which is how tests exercise the whole path quickly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from runtime.config import RuntimeConfig
+from runtime.engine import Engine
+from runtime.request_output import RequestOutput
+from scheduler.block_manager import BlockManager
+from scheduler.messages import Proposals, StepResult, decode, encode
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
+from workers import model_loader
+from workers.model_runner import WorkerConfig
+from workers.ngram_proposer import NgramProposer
+
+
+@dataclass
+class SubmitReply:
+    request_ids: list[str]
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: list[int]
+    sent_tokens: int = 0
+    sent_text: int = 0
+    error: str | None = None
+
+
+class DriverCore:
+    def __init__(self, config: RuntimeConfig, backend: str = "ray") -> None:
+        self.config = config
+        tcfg = model_loader.load_config(config.target)
+        self.vocab_size = tcfg.vocab_size
+        target_len = model_loader.max_model_len(tcfg)
+        self.max_model_len = min(config.max_model_len or target_len, target_len)
+        self.eos_ids = model_loader.eos_token_ids(tcfg)
+        draft_len = None
+        if config.proposer == "draft":
+            dcfg = model_loader.load_config(config.draft)
+            if dcfg.vocab_size != tcfg.vocab_size:
+                raise ValueError(f"draft vocab_size {dcfg.vocab_size} differs from the target's {tcfg.vocab_size}")
+            draft_len = model_loader.max_model_len(dcfg)
+        try:
+            self.tokenizer = model_loader.load_tokenizer(config.target)
+        except Exception:
+            self.tokenizer = None   # token-id prompts still work; strings are refused
+        wcfg = dict(dtype=config.dtype, device=config.device, block_size=config.block_size,
+                    num_kv_blocks=config.num_kv_blocks, max_model_len=self.max_model_len,
+                    max_num_seqs=config.max_num_seqs)
+        self._actors: list = []
+        verify, propose, t_blocks, d_blocks = self._start_workers(backend, wcfg)
+        sched_cfg = SchedulerConfig(
+            num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
+            use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens)
+        draft_pool = BlockManager(d_blocks, config.block_size) if d_blocks else None
+        self.scheduler = Scheduler(sched_cfg, BlockManager(t_blocks, config.block_size), draft_pool)
+        self.engine = Engine(self.scheduler, verify, propose)
+        self._rng = random.Random(config.seed)
+        self._cv = threading.Condition()
+        self._incoming: list[Sequence] = []
+        self._requests: dict[str, _Request] = {}
+        self._next_seq = 0
+        self._stop = False
+        self._last_error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
+        self._thread.start()
+
+    # -- workers -------------------------------------------------------------------
+    def _start_workers(self, backend: str, wcfg: dict):
+        cfg = self.config
+        if backend == "local":
+            from workers.draft_worker import DraftWorker
+            from workers.target_worker import TargetWorker
+
+            target = TargetWorker(WorkerConfig(cfg.target, **wcfg))
+            verify = lambda plan, probs: target.verify(plan, *probs)  # noqa: E731
+            propose, d_blocks = None, None
+            if cfg.proposer == "draft":
+                draft = DraftWorker(WorkerConfig(cfg.draft, **wcfg))
+                propose, d_blocks = draft.propose, draft.num_blocks()
+            elif cfg.proposer == "ngram":
+                propose = NgramProposer(cfg.ngram_max, cfg.ngram_min).propose
+            return verify, propose, target.num_blocks(), d_blocks
+        if backend != "ray":
+            raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
+        import ray
+
+        from runtime.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
+
+        gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        target = RemoteTargetWorker.options(**actor_options(cfg.target_resources, gpu)).remote(
+            WorkerConfig(cfg.target, **wcfg))
+        self._actors.append(target)
+
+        def verify(plan, probs):
+            return decode(ray.get(target.verify_msg.remote(encode(plan), *probs)), StepResult)
+
+        propose, d_blocks = None, None
+        if cfg.proposer == "draft":
+            draft = RemoteDraftWorker.options(**actor_options(cfg.draft_resources, gpu)).remote(
+                WorkerConfig(cfg.draft, **wcfg))
+            self._actors.append(draft)
+
+            def propose(plan):
+                ref, probs_ref = draft.propose_msg.remote(encode(plan))
+                return decode(ray.get(ref), Proposals), probs_ref
+
+            d_blocks = ray.get(draft.num_blocks.remote())
+        elif cfg.proposer == "ngram":
+            propose = NgramProposer(cfg.ngram_max, cfg.ngram_min).propose
+        return verify, propose, ray.get(target.num_blocks.remote()), d_blocks
+
+    # -- client API ----------------------------------------------------------------
+    def info(self) -> dict:
+        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "num_speculative_tokens": self.config.k, "proposer": self.config.proposer,
+                "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None}
+
+    def submit(self, prompts: list, params: list) -> SubmitReply:
+        """Validate every request first; admit all of them or none."""
+        if not isinstance(prompts, list) or not isinstance(params, list) or len(prompts) != len(params):
+            return SubmitReply([], "prompts and params must be lists of equal length")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                seqs.append(self._make_seq(prompt, p))
+            except ValueError as e:
+                return SubmitReply([], f"request {i}: {e}")
+        with self._cv:
+            if self._stop:
+                return SubmitReply([], "the runtime is shut down")
+            for seq, prompt in seqs:
+                self._requests[seq.request_id] = _Request(seq, prompt)
+                self._incoming.append(seq)
+            self._cv.notify_all()
+        return SubmitReply([s.request_id for s, _ in seqs])
+
+    def _make_seq(self, prompt, params) -> tuple[Sequence, list[int]]:
+        if isinstance(params, SamplingParams):
+            params = SamplingParams(**asdict(params))          # re-validate what crossed the wire
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        else:
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
+            ids = self._tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt token ids must be ints, got {type(t).__name__}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} "
+                             "leaves no room to generate")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._cv:
+            self._next_seq += 1
+            sid = self._next_seq
+        seq = Sequence(seq_id=sid, request_id=f"{sid}-{uuid.uuid4().hex[:8]}", prompt_len=len(ids),
+                       tokens=list(ids), params=params, seed=seed, stop_ids=frozenset(stops))
+        return seq, list(ids)
+
+    def _tokenize(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if tok.bos_token_id is not None and getattr(tok, "add_bos_token", True):
+            ids = [tok.bos_token_id] + ids
+        return ids
+
+    def wait(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput] | None:
+        """All outputs once every request has finished; None if the timeout passes first."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not all(self._requests[r].seq.finished for r in request_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            outs = [self._output(self._requests[r]) for r in request_ids]
+            for r in request_ids:
+                del self._requests[r]
+            return outs
+
+    def poll(self, request_id: str, timeout: float = 1.0) -> RequestOutput | None:
+        """The new part of a request's output since the last poll (None: nothing new yet)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise ValueError(f"unknown request_id {request_id!r}")
+            while req.seq.output_len == req.sent_tokens and not req.seq.finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            full = self._output(req)
+            delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:],
+                                  full.text[req.sent_text:], full.finish_reason,
+                                  full.num_draft_tokens, full.num_accepted_tokens)
+            if not full.finished and delta.text.endswith("\ufffd"):
+                delta.text = ""           # an incomplete UTF-8 character: send it whole later
+            req.sent_tokens = len(full.token_ids)
+            req.sent_text += len(delta.text)
+            if full.finished:
+                del self._requests[request_id]
+            return delta
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        if req.error or (seq.finish_reason == "error"):
+            raise RuntimeError(req.error or self._last_error or "request failed")
+        tokens = seq.output_tokens
+        text_ids = tokens[:-1] if seq.finish_reason == "stop" else tokens
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
+                             seq.num_draft_tokens, seq.num_accepted_tokens)
+
+    def metrics(self) -> dict:
+        m = self.scheduler.stats.as_dict()
+        m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+                 target_kv_blocks_used=self.scheduler.target_blocks.num_used_blocks,
+                 target_kv_blocks_total=self.scheduler.target_blocks.num_blocks,
+                 num_speculative_tokens=self.config.k, proposer=self.config.proposer,
+                 last_error=self._last_error)
+        if self.scheduler.draft_blocks is not None:
+            m.update(draft_kv_blocks_used=self.scheduler.draft_blocks.num_used_blocks,
+                     draft_kv_blocks_total=self.scheduler.draft_blocks.num_blocks)
+        return m
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        if self._actors:
+            import ray
+            for a in self._actors:
+                ray.kill(a)
+            self._actors.clear()
+
+    # -- the step loop -------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._incoming and not self.scheduler.has_work:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                incoming, self._incoming = self._incoming, []
+            for seq in incoming:
+                self.scheduler.add(seq)
+            try:
+                self.engine.step()
+            except Exception as e:  # a failed step fails its requests, not the runtime
+                self._last_error = f"{type(e).__name__}: {e}"
+                failed = self.scheduler.abort_all("error")
+                with self._cv:
+                    for seq in failed:
+                        req = self._requests.get(seq.request_id)
+                        if req is not None:
+                            req.error = self._last_error
+            with self._cv:
+                self._cv.notify_all()

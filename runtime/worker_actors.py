@@ -1,0 +1,44 @@
+"""Ray actor classes around the in-process workers: msgpack in, msgpack out.
+
+Draft probabilities are a second return value, so the driver receives an ObjectRef it
+hands to the target worker without fetching the tensor.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from scheduler.messages import StepPlan, decode, encode
+from workers import draft_worker, target_worker
+
+
+class DraftWorker(draft_worker.DraftWorker):
+    @ray.method(num_returns=2)
+    def propose_msg(self, data: bytes):
+        proposals, probs = self.propose(decode(data, StepPlan))
+        # Tensors leave the actor on the host so any node can read them.
+        return encode(proposals), (probs.cpu() if probs is not None else None)
+
+    def ready(self) -> bool:
+        return True
+
+
+class TargetWorker(target_worker.TargetWorker):
+    def verify_msg(self, data: bytes, *draft_probs) -> bytes:
+        return encode(self.verify(decode(data, StepPlan), *draft_probs))
+
+    def ready(self) -> bool:
+        return True
+
+
+def actor_options(resources: dict[str, float], gpu: bool) -> dict:
+    """Exactly the configured resources (num_cpus 0 unless named), plus one GPU on CUDA."""
+    res = dict(resources)
+    opts = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 1 if gpu else 0)}
+    if res:
+        opts["resources"] = res
+    return opts
+
+
+RemoteDraftWorker = ray.remote(DraftWorker)
+RemoteTargetWorker = ray.remote(TargetWorker)

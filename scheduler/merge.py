@@ -1,0 +1,52 @@
+"""Merge draft proposals from any number of shards into one target batch.
+
+The seed's ``_merge_outputs`` scattered one shard's ``[m, k]`` proposals into an
+``[n, k]`` batch where skipped sequences carry ``-1``; here any number of shards, each
+with its own per-sequence lengths, land in the target batch's order::
+
+    target batch:   s0  s1  s2  s3          shard A: s2 (len 2)   shard B: s0 (len 3)
+    merged tokens:  [a b c] [-1 -1 -1] [x y -1] [-1 -1 -1]
+    proposal_lens:  3        0          2        0
+    draft_rows:     1        -1         0        -1     (row in A's probs ++ B's probs)
+
+``draft_rows`` indexes the concatenation of the shards' probability tensors in shard
+order, and is -1 for sequences without proposals or whose shard sent no probabilities
+(deterministic proposals such as n-gram lookups, which the sampler treats as one-hot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.messages import Proposals
+
+
+@dataclass
+class MergedProposals:
+    token_ids: list[int]       # [n * k], -1 padded
+    proposal_lens: list[int]   # [n]
+    draft_rows: list[int]      # [n]
+
+
+def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> MergedProposals:
+    n = len(seq_ids)
+    tokens = [-1] * (n * k)
+    lens = [0] * n
+    rows = [-1] * n
+    where = {sid: i for i, sid in enumerate(seq_ids)}
+    row_offset = 0
+    for shard in shards:
+        if shard.k != k:
+            raise ValueError(f"shard proposed with k={shard.k}, the step uses k={k}")
+        for r, sid in enumerate(shard.seq_ids):
+            i = where.get(sid)
+            if i is None:
+                raise ValueError(f"shard proposed for sequence {sid}, which is not in the batch")
+            length = shard.proposal_lens[r]
+            lens[i] = length
+            tokens[i * k:i * k + length] = shard.token_ids[r * k:r * k + length]
+            if shard.has_probs and length:
+                rows[i] = row_offset + r
+        if shard.has_probs:
+            row_offset += len(shard.seq_ids)
+    return MergedProposals(tokens, lens, rows)

@@ -1,0 +1,204 @@
+"""Step messages between the driver and its workers, and their msgpack codec.
+
+A step is data in, data out::
+
+    StepPlan (driver -> draft worker)  ->  Proposals (draft -> driver)
+    StepPlan (driver -> target worker) ->  StepResult (target -> driver)
+
+Integer and float arrays travel as little-endian packed bytes (int32 for token ids and
+counts, int64 for ids and seeds, float64 for sampling knobs): packing a 64-sequence step
+that way costs microseconds, where Python lists cost a hundred. Tensors (draft
+probabilities) never go through here. Decoding is strict: the protocol version, the
+message type, every field's type and every cross-field length are checked, and anything
+else raises ``ProtocolError`` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass, field, fields
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A step message that is malformed, of another version, or too large."""
+
+
+def _packed(code: str):
+    return field(default_factory=list, metadata={"pack": code})
+
+
+def _scalar(kind: type, default):
+    return field(default=default, metadata={"scalar": kind})
+
+
+@dataclass
+class StepPlan:
+    """One step's work for one worker, per sequence in batch order.
+
+    ``token_ids`` holds, back to back, the ``num_new[i]`` tokens each sequence feeds
+    (``tokens[num_computed:]``). ``num_slots[i]`` is the KV slot count the worker's pool
+    must hold for the sequence after this step, exactly as the driver's mirror of that
+    pool reserved it. For the target, ``proposal_token_ids`` is ``[n, k]`` flattened with
+    ``-1`` padding past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row
+    in the draft probabilities (``-1``: a deterministic proposal, e.g. n-gram).
+    """
+
+    step_id: int = _scalar(int, 0)
+    k: int = _scalar(int, 0)
+    seq_ids: list[int] = _packed("q")
+    num_computed: list[int] = _packed("i")
+    num_new: list[int] = _packed("i")
+    token_ids: list[int] = _packed("i")
+    num_slots: list[int] = _packed("i")
+    proposal_lens: list[int] = _packed("i")
+    proposal_token_ids: list[int] = _packed("i")
+    draft_rows: list[int] = _packed("i")
+    temperature: list[float] = _packed("d")
+    top_k: list[int] = _packed("i")
+    top_p: list[float] = _packed("d")
+    seeds: list[int] = _packed("q")
+    free_seq_ids: list[int] = _packed("q")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    def validate(self) -> None:
+        n = len(self.seq_ids)
+        for name in ("num_computed", "num_new", "num_slots", "proposal_lens",
+                     "temperature", "top_k", "top_p", "seeds"):
+            _expect(len(getattr(self, name)) == n, f"StepPlan.{name} has {len(getattr(self, name))} entries for {n} sequences")
+        _expect(self.k >= 0, f"StepPlan.k must be >= 0, got {self.k}")
+        _expect(sum(self.num_new) == len(self.token_ids),
+                f"StepPlan.token_ids has {len(self.token_ids)} tokens, num_new sums to {sum(self.num_new)}")
+        _expect(len(set(self.seq_ids)) == n, "StepPlan.seq_ids repeats a sequence")
+        _expect(all(c >= 0 for c in self.num_computed), "StepPlan.num_computed is negative")
+        _expect(all(c >= 0 for c in self.num_new), "StepPlan.num_new is negative")
+        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "StepPlan.proposal_lens outside [0, k]")
+        if self.proposal_token_ids:
+            _expect(len(self.proposal_token_ids) == n * self.k,
+                    f"StepPlan.proposal_token_ids has {len(self.proposal_token_ids)} entries, expected {n * self.k}")
+            _expect(len(self.draft_rows) == n, "StepPlan.draft_rows does not match seq_ids")
+        for i in range(n):
+            _expect(self.num_slots[i] >= self.num_computed[i] + self.num_new[i],
+                    f"StepPlan.num_slots[{i}] cannot hold the fed tokens")
+
+
+@dataclass
+class Proposals:
+    """Draft tokens for the sequences of one draft plan: ``token_ids`` is ``[n, k]``
+    flattened, ``-1`` past ``proposal_lens[i]`` (which may be shorter than planned when a
+    proposer finds nothing to propose)."""
+
+    step_id: int = _scalar(int, 0)
+    k: int = _scalar(int, 0)
+    has_probs: bool = _scalar(bool, False)
+    seq_ids: list[int] = _packed("q")
+    proposal_lens: list[int] = _packed("i")
+    token_ids: list[int] = _packed("i")
+
+    def validate(self) -> None:
+        n = len(self.seq_ids)
+        _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
+        _expect(len(self.token_ids) == n * self.k,
+                f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
+        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Proposals.proposal_lens outside [0, k]")
+
+
+@dataclass
+class StepResult:
+    """Tokens the target emitted this step: ``num_emitted[i]`` = accepted + 1, back to
+    back in ``token_ids``."""
+
+    step_id: int = _scalar(int, 0)
+    seq_ids: list[int] = _packed("q")
+    num_emitted: list[int] = _packed("i")
+    token_ids: list[int] = _packed("i")
+
+    def validate(self) -> None:
+        _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")
+        _expect(all(x >= 1 for x in self.num_emitted), "StepResult.num_emitted must be >= 1")
+        _expect(sum(self.num_emitted) == len(self.token_ids), "StepResult.token_ids does not match num_emitted")
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (StepPlan, Proposals, StepResult)}
+_LITTLE = sys.byteorder == "little"
+
+
+def encode(msg) -> bytes:
+    name = type(msg).__name__
+    if name not in MESSAGE_TYPES:
+        raise TypeError(f"not a step message: {name}")
+    values = []
+    for f in fields(msg):
+        value = getattr(msg, f.name)
+        code = f.metadata.get("pack")
+        if code is None:
+            values.append(value)
+            continue
+        arr = array(code, value)
+        if not _LITTLE:
+            arr.byteswap()
+        values.append(arr.tobytes())
+    return msgpack.packb([PROTOCOL_VERSION, name, values], use_bin_type=True)
+
+
+def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
+    """Decode and validate one message; only ``ProtocolError`` escapes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=True,
+            max_buffer_size=max_bytes, max_bin_len=max_bytes, max_str_len=64,
+            max_array_len=64, max_map_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise ProtocolError("message must be [version, type, fields]")
+    version, name, values = obj
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    if expected is not None and cls is not expected:
+        raise ProtocolError(f"expected {expected.__name__}, got {name}")
+    fs = fields(cls)
+    if not isinstance(values, list) or len(values) != len(fs):
+        raise ProtocolError(f"{name} needs {len(fs)} fields")
+    kwargs = {}
+    for f, value in zip(fs, values):
+        code = f.metadata.get("pack")
+        if code is None:
+            kind = f.metadata["scalar"]
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not ok:
+                raise ProtocolError(f"{name}.{f.name} must be {kind.__name__}, got {type(value).__name__}")
+            kwargs[f.name] = value
+            continue
+        if not isinstance(value, bytes):
+            raise ProtocolError(f"{name}.{f.name} must be packed bytes, got {type(value).__name__}")
+        arr = array(code)
+        if len(value) % arr.itemsize:
+            raise ProtocolError(f"{name}.{f.name} is {len(value)} bytes, not a multiple of {arr.itemsize}")
+        arr.frombytes(value)
+        if not _LITTLE:
+            arr.byteswap()
+        kwargs[f.name] = arr.tolist()
+    msg = cls(**kwargs)
+    msg.validate()
+    return msg
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)

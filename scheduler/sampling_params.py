@@ -1,0 +1,72 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature 0 means greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``seed`` makes a sampled request reproducible whatever batch it shares; requests without
+    one get a seed drawn from the runtime's own generator.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown sampling field(s): {sorted(unknown)}")
+        return cls(**d)
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is an int subclass; True as max_tokens is a bug, not a request.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")

@@ -1,0 +1,47 @@
+"""Counters behind ``SpecRuntime.metrics()``, accumulated over the runtime's life."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    k: int
+    num_steps: int = 0
+    num_seq_steps: int = 0           # one per sequence per step
+    num_emitted_tokens: int = 0      # accepted + the target's own token, per sequence-step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+    num_requests_finished: int = 0
+    busy_s: float = 0.0              # wall time spent inside steps
+    started_at: float = field(default_factory=time.monotonic)
+
+    def record_step(self, seq_steps: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.num_seq_steps += seq_steps
+        self.num_emitted_tokens += emitted
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.busy_s += seconds
+
+    def as_dict(self) -> dict:
+        d = self.num_draft_tokens
+        s = self.num_seq_steps
+        return {
+            "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
+            "mean_accepted_length": self.num_emitted_tokens / s if s else 0.0,
+            "system_efficiency": self.num_emitted_tokens / (s * (self.k + 1)) if s else 0.0,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "num_steps": self.num_steps,
+            "num_seq_steps": s,
+            "num_preemptions": self.num_preemptions,
+            "num_requests_finished": self.num_requests_finished,
+            "tokens_per_s": self.num_emitted_tokens / self.busy_s if self.busy_s else 0.0,
+            "busy_s": self.busy_s,
+            "uptime_s": time.monotonic() - self.started_at,
+        }

@@ -1,0 +1,1 @@
+"""Compute: torch + transformers, no ray at import time (runtime/ wraps these classes)."""

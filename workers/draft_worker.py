@@ -1,0 +1,75 @@
+"""The draft model: k autoregressive passes per call, inputs kept on the device.
+
+All k passes run inside one ``propose`` call (the seed's TP1DraftModelRunner goal): each
+pass's sampled tokens feed the next pass straight from the device tensor, the host only
+builds position and slot metadata (which it knows in advance), and proposals come back to
+the host once, at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.messages import Proposals, StepPlan
+from workers.model_runner import ModelRunner, WorkerConfig
+from workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
+
+
+class DraftWorker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.runner = ModelRunner(cfg)
+
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
+        """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
+        the draft probabilities ``[n, k, V]`` its proposals were drawn from."""
+        r = self.runner
+        r.check_tokens(plan)
+        r.kv.apply(plan)
+        n, k = plan.num_seqs, plan.k
+        if n == 0:
+            return Proposals(step_id=plan.step_id, k=k), None
+        dev = r.device
+        lens = plan.proposal_lens
+        sampled_rows = [t > 0 for t in plan.temperature]
+        any_sampled = any(sampled_rows)
+        proposals = torch.full((n, k), -1, dtype=torch.long, device=dev)             # [n, k]
+        probs = torch.zeros(n, k, r.vocab_size, device=dev) if any_sampled else None  # [n, k, V]
+        temps = r.to_device(plan.temperature, torch.float32)
+        seeds = r.to_device(plan.seeds)
+        greedy = r.to_device([not s for s in sampled_rows], torch.bool)
+        seq_len = [c + f for c, f in zip(plan.num_computed, plan.num_new)]            # L_i
+
+        # Pass 0 catches each sequence up (prefill, or the tokens it has not seen yet).
+        rows = list(range(n))
+        ends = torch.tensor(plan.num_new).cumsum(0) - 1
+        logits = r.forward(plan.seq_ids, plan.num_computed, plan.num_new,
+                           r.to_device(plan.token_ids), ends.to(dev))                  # [n, V]
+        for p in range(k):
+            if p > 0:
+                rows = [i for i in rows if lens[i] > p]
+                if not rows:
+                    break
+                idx = r.to_device(rows)
+                logits = r.forward([plan.seq_ids[i] for i in rows], [seq_len[i] + p - 1 for i in rows],
+                                   [1] * len(rows), proposals[idx, p - 1],
+                                   torch.arange(len(rows), device=dev))              # [m, V]
+            else:
+                idx = torch.arange(n, device=dev)
+            tok = logits.argmax(dim=-1)
+            if any_sampled and any(sampled_rows[i] for i in rows):
+                q = logits_to_probs(logits, temps[idx], [plan.top_k[i] for i in rows],
+                                    [plan.top_p[i] for i in rows])                    # [m, V]
+                pos = r.to_device([seq_len[i] + p for i in rows])
+                drawn = sample_from_probs(q, keyed_uniform(seeds[idx], pos, STREAM_DRAFT))
+                tok = torch.where(greedy[idx], tok, drawn)
+                probs[idx, p] = q
+            proposals[idx, p] = tok
+        return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, seq_ids=list(plan.seq_ids),
+                         proposal_lens=list(lens), token_ids=proposals.flatten().tolist()), probs

@@ -1,0 +1,56 @@
+"""Prompt-lookup (n-gram) proposals: no model, just the sequence's own history.
+
+It keeps each sequence's tokens the way a draft model keeps KV: truncated to
+``num_computed`` and extended with the fed tokens each step, plus its own proposals but
+the last, exactly like a draft's cache, so the driver's ``num_computed`` bookkeeping is the
+same for both. Proposals are deterministic (the sampler treats them as one-hot).
+"""
+
+from __future__ import annotations
+
+from scheduler.messages import Proposals, StepPlan
+
+
+class NgramProposer:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.history: dict[int, list[int]] = {}
+
+    def propose(self, plan: StepPlan) -> tuple[Proposals, None]:
+        for sid in plan.free_seq_ids:
+            self.history.pop(sid, None)
+        k = plan.k
+        lens: list[int] = []
+        tokens: list[int] = []
+        start = 0
+        for i, sid in enumerate(plan.seq_ids):
+            hist = self.history.setdefault(sid, [])
+            computed, m = plan.num_computed[i], plan.num_new[i]
+            if computed > len(hist):
+                raise RuntimeError(f"sequence {sid}: {computed} tokens claimed cached, {len(hist)} held")
+            del hist[computed:]
+            hist.extend(plan.token_ids[start:start + m])
+            start += m
+            found = self.lookup(hist, plan.proposal_lens[i])
+            hist.extend(found[:-1])
+            lens.append(len(found))
+            tokens.extend(found + [-1] * (k - len(found)))
+        return Proposals(step_id=plan.step_id, k=k, has_probs=False, seq_ids=list(plan.seq_ids),
+                         proposal_lens=lens, token_ids=tokens), None
+
+    def lookup(self, hist: list[int], k: int) -> list[int]:
+        """Continuation of the most recent earlier occurrence of the longest suffix
+        n-gram (max_ngram down to min_ngram), up to k tokens."""
+        if k <= 0:
+            return []
+        size = len(hist)
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            pattern = hist[size - n:]
+            last = pattern[-1]
+            for end in range(size - 2, n - 2, -1):   # end: index of the match's last token
+                if hist[end] == last and hist[end - n + 1:end + 1] == pattern:
+                    return hist[end + 1:end + 1 + k]
+        return []

@@ -1,0 +1,79 @@
+"""Lossless verification of draft proposals.
+
+Glossary (per sequence, ``k_i`` proposals ``x_1..x_k_i``, target distributions
+``p_0..p_k_i`` at the k_i + 1 scored positions, draft distributions ``q_0..q_{k_i-1}``):
+
+- accepted tokens: the longest prefix of proposals the target keeps;
+- recovered token: at the first rejected position j, a sample of
+  ``norm(max(0, p_j - q_j))`` (greedy: the target's argmax);
+- bonus token: when all k_i are accepted, a sample of ``p_k_i`` (greedy: argmax).
+
+Every step therefore emits accepted + 1 tokens. Proposal ``x_j`` is accepted with
+probability ``min(1, p(x_j) / q(x_j))``, which makes the emitted tokens distributed
+exactly as the target's own samples. A deterministic proposal (n-gram) is a one-hot q.
+
+All functions work on the whole batch at once; outputs are ``[n, k + 1]`` with ``-1``
+past the emitted tokens, plus ``num_emitted [n]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.sampling import sample_from_probs
+
+
+def greedy_verify(target_argmax: torch.Tensor, draft_ids: torch.Tensor, proposal_lens: torch.Tensor):
+    """target_argmax: [n, k+1]; draft_ids: [n, k] (-1 padded); proposal_lens: [n]."""
+    n, k1 = target_argmax.shape
+    k = k1 - 1
+    valid = torch.arange(k, device=draft_ids.device) < proposal_lens.unsqueeze(-1)    # [n, k]
+    match = (draft_ids == target_argmax[:, :k]) & valid
+    num_accepted = match.long().cumprod(dim=-1).sum(dim=-1)                           # [n]
+    keep = torch.arange(k1, device=draft_ids.device) <= num_accepted.unsqueeze(-1)   # [n, k+1]
+    out = torch.where(keep, target_argmax, torch.full_like(target_argmax, -1))
+    return out, num_accepted + 1
+
+
+def random_verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                  has_draft_probs: torch.Tensor, proposal_lens: torch.Tensor,
+                  accept_u: torch.Tensor, sample_u: torch.Tensor):
+    """target_probs: [n, k+1, V]; draft_ids: [n, k]; draft_probs: [n, k, V] or None
+    (rows with ``has_draft_probs`` False are one-hot at their proposal);
+    accept_u: [n, k]; sample_u: [n, k+1] uniforms in [0, 1)."""
+    n, k1, vocab = target_probs.shape
+    k = k1 - 1
+    dev = target_probs.device
+    rows = torch.arange(n, device=dev)
+    valid = torch.arange(k, device=dev) < proposal_lens.unsqueeze(-1)                 # [n, k]
+    ids = draft_ids.clamp(min=0)
+    one_hot = torch.nn.functional.one_hot(ids, vocab).to(target_probs.dtype)         # [n, k, V]
+    if draft_probs is None:
+        q = one_hot
+    else:
+        q = torch.where(has_draft_probs.view(n, 1, 1), draft_probs.to(target_probs.dtype), one_hot)
+    p_x = target_probs[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)               # [n, k]
+    q_x = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)                                 # [n, k]
+    # u < p/q, written without the division; strict so a token with p = 0 is never kept.
+    accept = (accept_u.to(p_x.dtype) * q_x < p_x) & valid
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)                          # [n]
+
+    # The one distribution each row samples from: residual at the first rejection,
+    # the target itself for the bonus position.
+    at = num_accepted.clamp(max=max(k - 1, 0))
+    rejected = num_accepted < proposal_lens
+    if k > 0:
+        residual = (target_probs[rows, at] - q[rows, at]).clamp_(min=0)             # [n, V]
+        # p == q everywhere leaves no residual, but then nothing is ever rejected.
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, target_probs[rows, at], residual)
+        final = torch.where(rejected.unsqueeze(-1), residual, target_probs[rows, num_accepted])
+    else:
+        final = target_probs[:, 0]
+    token = sample_from_probs(final, sample_u[rows, num_accepted])                    # [n]
+
+    j = torch.arange(k1, device=dev)
+    padded_ids = torch.cat([draft_ids, draft_ids.new_full((n, 1), -1)], dim=1)        # [n, k+1]
+    out = torch.where(j < num_accepted.unsqueeze(-1), padded_ids, torch.full_like(padded_ids, -1))
+    out[rows, num_accepted] = token
+    return out, num_accepted + 1
