@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -74,7 +73,6 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1") if _builtin("tiny-target") else None
     parser = argparse.ArgumentParser(prog="specray", description="Exact speculative decoding on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of one prompt")

@@ -158,7 +158,7 @@ def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSA
     try:
         obj = msgpack.unpackb(
             data, raw=False, use_list=True, strict_map_key=True,
-            max_buffer_size=max_bytes, max_bin_len=max_bytes, max_str_len=64,
+            max_bin_len=max_bytes, max_str_len=64,
             max_array_len=64, max_map_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None

@@ -1,0 +1,102 @@
+"""The client handle through real Ray actors: generate, stream, metrics, bad input,
+connect by name, shutdown and restart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from runtime import RequestOutput, RuntimeConfig, SamplingParams, SpecRuntime
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def rt(ray_session, llama_pair):
+    t, d = llama_pair
+    runtime = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4,
+                                        device="cpu", dtype="float32", max_model_len=MAX_LEN, name="specray-test"))
+    yield runtime
+    runtime.shutdown()
+
+
+def some_prompts(n=8):
+    return [torch.randint(0, 97, (3 + 2 * i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(n)]
+
+
+def test_generate_through_ray_equals_hf(rt, llama_pair):
+    ps = some_prompts()
+    outs = rt.generate(ps, SamplingParams(max_tokens=20, temperature=0.0))
+    assert all(isinstance(o, RequestOutput) for o in outs)
+    assert [o.token_ids for o in outs] == hf_greedy(llama_pair[0], ps, 20)
+    assert [o.prompt_token_ids for o in outs] == ps
+    m = rt.metrics()
+    for key in ("acceptance_rate", "mean_accepted_length", "system_efficiency", "num_draft_tokens",
+                "num_accepted_tokens", "tokens_per_s", "num_preemptions"):
+        assert key in m
+    assert m["num_draft_tokens"] > 0 and 0 < m["acceptance_rate"] <= 1
+    assert 1 <= m["mean_accepted_length"] <= 4
+    assert m["system_efficiency"] == pytest.approx(m["mean_accepted_length"] / 4)
+
+
+def test_stream_yields_increments_that_add_up(rt):
+    p = some_prompts()[3]
+    params = SamplingParams(max_tokens=17, temperature=0.0)
+    (full,) = rt.generate([p], params)
+    deltas = list(rt.stream(p, params))
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert deltas[-1].finish_reason == "length"
+    assert len(deltas) > 1
+
+
+BAD = [
+    ([[1, 2, 97]], SamplingParams(max_tokens=4), "prompt"),
+    ([[]], SamplingParams(max_tokens=4), "prompt"),
+    ([""], SamplingParams(max_tokens=4), "prompt"),
+    ([list(range(MAX_LEN))], SamplingParams(max_tokens=4), "max_model_len"),
+    ([[1, 2], "text without a tokenizer"], SamplingParams(max_tokens=4), "tokenizer"),
+    ([[1, 2]], SamplingParams(max_tokens=4, stop_token_ids=[500]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("prompts,params,field", BAD)
+def test_bad_request_raises_value_error_naming_the_field(rt, prompts, params, field):
+    with pytest.raises(ValueError, match=field):
+        rt.generate(prompts, params)
+    # ... and the same runtime keeps serving.
+    (ok,) = rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(ok.token_ids) == 3
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0),
+                                         ("top_p", 1.5), ("top_k", -1)])
+def test_bad_sampling_params_are_refused_client_side_and_by_the_driver(rt, field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    # A caller that bypasses construction-time checks is caught by the driver, with the
+    # request index, before anything is admitted.
+    p = SamplingParams(max_tokens=3)
+    object.__setattr__(p, field, value)
+    with pytest.raises(ValueError, match=rf"request 1: .*{field}"):
+        rt.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=3), p])
+    assert rt.metrics()["num_waiting"] == 0
+
+
+def test_connect_by_name(rt):
+    other = SpecRuntime.connect(name="specray-test")
+    (a,) = other.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0.0))
+    (b,) = rt.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0.0))
+    assert a.token_ids == b.token_ids
+    with pytest.raises(ValueError, match="no specray driver named"):
+        SpecRuntime.connect(name="no-such-driver")
+
+
+def test_shutdown_then_a_second_runtime_starts_cleanly(ray_session, llama_pair):
+    t, _ = llama_pair
+    for _ in range(2):
+        r = SpecRuntime(RuntimeConfig(target=t, proposer="ngram", block_size=4, device="cpu", dtype="float32"))
+        (o,) = r.generate([[7, 8, 9, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
+        assert len(o.token_ids) == 6
+        r.shutdown()

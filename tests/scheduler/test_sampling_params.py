@@ -1,0 +1,101 @@
+"""SamplingParams validates itself: every bad field is a ValueError naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos) == (
+        16, 1.0, 1.0, 0, None, [], False)
+    assert not p.greedy
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=0).greedy
+    # defaults are not shared between instances
+    a, b = SamplingParams(), SamplingParams()
+    a.stop_token_ids.append(3)
+    assert b.stop_token_ids == []
+
+
+def test_valid_edges_are_accepted():
+    p = SamplingParams(max_tokens=1, temperature=0, top_p=1e-9, top_k=0, seed=0,
+                       stop_token_ids=(0, 5), ignore_eos=True)
+    assert p.stop_token_ids == [0, 5] and isinstance(p.stop_token_ids, list)
+    SamplingParams(seed=2**63 - 1, top_p=1, top_k=50, temperature=2.5)
+
+
+BAD = [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 1.0),
+    ("max_tokens", "8"),
+    ("max_tokens", None),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", -1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", -math.inf),
+    ("temperature", "0.5"),
+    ("temperature", True),
+    ("temperature", None),
+    ("top_p", 0),
+    ("top_p", 0.0),
+    ("top_p", -0.5),
+    ("top_p", 1.0000001),
+    ("top_p", 2),
+    ("top_p", math.nan),
+    ("top_p", "1"),
+    ("top_p", False),
+    ("top_k", -1),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 2**64),
+    ("seed", 1.0),
+    ("seed", "7"),
+    ("seed", True),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1, -5]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", ["2"]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", [None]),
+    ("stop_token_ids", 3),
+    ("stop_token_ids", "12"),
+    ("stop_token_ids", {1, 2}),
+    ("ignore_eos", 1),
+    ("ignore_eos", 0),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", None),
+]
+
+
+@pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_bad_field_raises_value_error_naming_it(name, value):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{name: value})
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize("name,value", BAD[:10], ids=[f"{n}={v!r}" for n, v in BAD[:10]])
+def test_from_dict_validates_too(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams.from_dict({name: value})
+
+
+def test_from_dict_round_trips_and_rejects_unknown_keys():
+    d = dict(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11, stop_token_ids=[2], ignore_eos=True)
+    assert SamplingParams.from_dict(d) == SamplingParams(**d)
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(ValueError, match="max_token"):
+        SamplingParams.from_dict({"max_token": 5})
+    with pytest.raises(ValueError) as info:
+        SamplingParams.from_dict({"max_tokens": 5, "beam_width": 2, "n": 3})
+    assert "beam_width" in str(info.value) and "'n'" in str(info.value)
