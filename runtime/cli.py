@@ -72,6 +72,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from runtime.bench import BenchSettings, format_table, run_bench, write_outputs
+
+    target = args.target or _builtin("tiny-target")
+    draft = args.draft or (_builtin("tiny-draft") if args.target is None else None)
+    if target is None or draft is None:
+        raise SystemExit("bench needs --target and --draft (or the built-in pair under models/)")
+    sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
+                      max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
+                      device=args.device, dtype=args.dtype, out_dir=args.out)
+    if args.quick:
+        s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
+    result = run_bench(s)
+    jpath, ppath = write_outputs(result, s.out_dir)
+    print(format_table(result))
+    print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
+    if not result["greedy_outputs_equal"]:
+        print("specray bench: greedy outputs differ between configurations:", file=sys.stderr)
+        for m in result["mismatches"]:
+            print("  " + m, file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specray", description="Exact speculative decoding on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
+    b.add_argument("--target", default=None)
+    b.add_argument("--draft", default=None)
+    b.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    b.add_argument("--batch-sizes", default="1,8,32")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--temperature", type=float, default=0.8, help="for the sampled runs")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--out", default="bench_out")
+    b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (about a minute on a CPU)")
+    b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -8,7 +8,7 @@ import ray
 
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore, SubmitReply
-from runtime.ray_env import ensure_ray
+from runtime import ray_env
 from runtime.request_output import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -26,27 +26,32 @@ class SpecRuntime:
     def __init__(self, config: RuntimeConfig) -> None:
         if not isinstance(config, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
-        self._owns_ray = ensure_ray(config.ray_address, config.namespace)
+        self._owns_ray = ray_env.acquire(config.ray_address, config.namespace)
         opts = {"num_cpus": 0}
         if config.name:
             opts.update(name=config.name, namespace=config.namespace)
         if config.detached:
             opts["lifetime"] = "detached"
         self._driver = RemoteDriver.options(**opts).remote(config)
+        self._attached = False
         self._info = ray.get(self._driver.info.remote())
         self._closed = False
 
     @classmethod
     def connect(cls, name: str = "specray", namespace: str = "specray",
                 address: str | None = None) -> "SpecRuntime":
-        """Attach to a driver started elsewhere (``specray serve``)."""
-        ensure_ray(address if address is not None else "auto" if not ray.is_initialized() else None, namespace)
+        """Attach to a driver started elsewhere (``specray serve``). ``shutdown()`` on an
+        attached handle detaches; the driver keeps serving."""
+        owns = ray_env.acquire(address if address is not None or ray.is_initialized() else "auto", namespace)
         try:
             driver = ray.get_actor(name, namespace=namespace)
         except ValueError:
+            if owns:
+                ray_env.release()
             raise ValueError(f"no specray driver named {name!r} in namespace {namespace!r} is running") from None
         self = cls.__new__(cls)
-        self._owns_ray = False
+        self._owns_ray = owns
+        self._attached = True
         self._driver = driver
         self._info = ray.get(driver.info.remote())
         self._closed = False
@@ -104,11 +109,13 @@ class SpecRuntime:
             return
         self._closed = True
         try:
-            ray.get(self._driver.shutdown.remote(), timeout=60)
+            if not self._attached:
+                ray.get(self._driver.shutdown.remote(), timeout=60)
         finally:
-            ray.kill(self._driver)
+            if not self._attached:
+                ray.kill(self._driver)
             if self._owns_ray:
-                ray.shutdown()
+                ray_env.release()
 
     def __enter__(self) -> "SpecRuntime":
         return self

@@ -33,13 +33,18 @@ class Engine:
         if step is None:
             return []
         probs: list = []
+        draft_s = None
         if step.draft is not None and self.propose is not None:
+            t1 = time.perf_counter()
             proposals, handle = self.propose(step.draft)
+            draft_s = time.perf_counter() - t1 if step.draft.seq_ids else None
             shards = [proposals] if proposals.seq_ids else []
             if proposals.has_probs:
                 probs.append(handle)
             self.scheduler.attach_proposals(step, merge_proposals(step.target.seq_ids, step.target.k, shards))
+        t2 = time.perf_counter()
         result = self.verify(step.target, probs)
+        self.scheduler.stats.record_phases(draft_s, time.perf_counter() - t2)
         return self.scheduler.update(step, result, time.perf_counter() - t0)
 
     def run_until_done(self) -> None:

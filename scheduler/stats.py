@@ -17,6 +17,9 @@ class SpecStats:
     num_preemptions: int = 0
     num_requests_finished: int = 0
     busy_s: float = 0.0              # wall time spent inside steps
+    draft_s: float = 0.0             # inside the proposer call (all k passes, messaging included)
+    verify_s: float = 0.0            # inside the target call (forward, sampler, messaging)
+    num_draft_calls: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     def record_step(self, seq_steps: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
@@ -27,9 +30,16 @@ class SpecStats:
         self.num_accepted_tokens += accepted
         self.busy_s += seconds
 
+    def record_phases(self, draft_s: float | None, verify_s: float) -> None:
+        if draft_s is not None:
+            self.draft_s += draft_s
+            self.num_draft_calls += 1
+        self.verify_s += verify_s
+
     def as_dict(self) -> dict:
         d = self.num_draft_tokens
         s = self.num_seq_steps
+        steps = self.num_steps
         return {
             "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
             "mean_accepted_length": self.num_emitted_tokens / s if s else 0.0,
@@ -43,5 +53,11 @@ class SpecStats:
             "num_requests_finished": self.num_requests_finished,
             "tokens_per_s": self.num_emitted_tokens / self.busy_s if self.busy_s else 0.0,
             "busy_s": self.busy_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "num_draft_calls": self.num_draft_calls,
+            "mean_step_s": self.busy_s / steps if steps else 0.0,
+            "mean_draft_s": self.draft_s / self.num_draft_calls if self.num_draft_calls else 0.0,
+            "mean_verify_s": self.verify_s / steps if steps else 0.0,
             "uptime_s": time.monotonic() - self.started_at,
         }

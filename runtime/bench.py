@@ -1,0 +1,317 @@
+"""``specray bench``: specray against plain decoding and Hugging Face on the same models.
+
+All configurations run in one process, interleaved and repeated, so machine noise hits
+them alike; medians and the min-max spread are reported. Every greedy configuration must
+produce the same tokens for the same prompt, or the run fails: a benchmark of wrong
+outputs is worthless.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class BenchSettings:
+    target: str
+    draft: str
+    k: int = 4
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 64
+    repeats: int = 3
+    temperature: float = 0.8          # for the sampled runs
+    device: str = "auto"
+    dtype: str = "auto"
+    out_dir: str = "bench_out"
+    prompt_bytes: int = 160
+    block_size: int = 16
+    progress: bool = True
+
+
+@dataclass
+class Run:
+    system: str                        # "specray" | "hf"
+    proposer: str                      # "draft" | "ngram" | "none" | "assisted"
+    batch_size: int
+    mode: str = "greedy"               # "greedy" | "sampled"
+    policy: str = "static"
+    tokens_per_s: float = 0.0
+    tokens_per_s_min: float = 0.0
+    tokens_per_s_max: float = 0.0
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    samples: list[float] = field(default_factory=list)
+    accepted: int = 0
+    drafted: int = 0
+    emitted: int = 0
+    seq_steps: int = 0
+
+    @property
+    def key(self) -> tuple:
+        return (self.system, self.proposer, self.batch_size, self.mode)
+
+    def finish(self) -> None:
+        self.tokens_per_s = statistics.median(self.samples)
+        self.tokens_per_s_min, self.tokens_per_s_max = min(self.samples), max(self.samples)
+        if self.drafted:
+            self.acceptance_rate = self.accepted / self.drafted
+        if self.seq_steps:
+            self.mean_accepted_length = self.emitted / self.seq_steps
+
+
+class OutputCheck:
+    """First greedy output seen for each prompt is the reference for every later one."""
+
+    def __init__(self) -> None:
+        self.reference: dict[int, list[int]] = {}
+        self.mismatches: list[str] = []
+
+    def check(self, label: str, prompt_ids: list[int], outputs: list[list[int]]) -> None:
+        for i, out in zip(prompt_ids, outputs):
+            ref = self.reference.setdefault(i, out)
+            if out != ref:
+                j = next((n for n, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                self.mismatches.append(f"{label}: prompt {i} differs from the reference at token {j}")
+
+
+def analytic_speedup(alpha: float, c: float, k: int) -> float:
+    """Expected speedup of speculative decoding: (1 - a^(k+1)) / ((1 - a)(c k + 1))."""
+    if alpha >= 1.0:
+        return (k + 1) / (c * k + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
+
+
+def _strip(tokens: list[int], eos: set[int], pad: int | None) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(t)
+        if t in eos:
+            break
+    return out
+
+
+class HFRunner:
+    """transformers' generate: the target alone (padded batches) and assisted generation."""
+
+    def __init__(self, s: BenchSettings):
+        from transformers import AutoModelForCausalLM
+
+        from workers.model_loader import resolve_device, resolve_dtype, load_config
+
+        self.device = resolve_device(s.device)
+        dtype = resolve_dtype(s.dtype, self.device, load_config(s.target))
+        self.target = AutoModelForCausalLM.from_pretrained(s.target, dtype=dtype).to(self.device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(s.draft, dtype=dtype).to(self.device).eval()
+        eos = self.target.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad = self.target.generation_config.pad_token_id
+        if self.pad is None:
+            self.pad = 0
+        self.calls = 0
+        self.target.register_forward_pre_hook(self._count)
+        self.k = s.k
+
+    def _count(self, *_):
+        self.calls += 1
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_tokens: int, assisted: bool, temperature: float,
+                 seed: int) -> tuple[list[list[int]], float, int]:
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):       # left padding, as generate expects
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kw = dict(max_new_tokens=max_tokens, pad_token_id=self.pad)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kw.update(do_sample=False)
+        if assisted:
+            self.draft.generation_config.num_assistant_tokens = self.k
+            self.draft.generation_config.num_assistant_tokens_schedule = "constant"
+            self.draft.generation_config.assistant_confidence_threshold = 0.0
+            kw.update(assistant_model=self.draft)
+        self.calls = 0
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.target.generate(ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        gen = [_strip(row[width:].tolist(), self.eos, self.pad) for row in out.cpu()]
+        return gen, dt, self.calls
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(s: BenchSettings) -> dict:
+    from tqdm import tqdm
+
+    from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+    from runtime.stdlib_corpus import held_out_prompts
+    from workers.model_loader import load_tokenizer
+
+    tok = load_tokenizer(s.target)
+    texts = held_out_prompts(max(s.batch_sizes), s.prompt_bytes)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    hf = HFRunner(s)
+
+    runtimes = {}
+    for proposer in ("draft", "ngram", "none"):
+        runtimes[proposer] = SpecRuntime(RuntimeConfig(
+            target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
+            num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
+            max_num_seqs=max(s.batch_sizes)))
+    # One configuration = (system, proposer, batch size, mode).
+    plan: list[tuple[str, str, int, str]] = []
+    for b in s.batch_sizes:
+        for proposer in ("draft", "ngram", "none"):
+            plan.append(("specray", proposer, b, "greedy"))
+        plan.append(("hf", "none", b, "greedy"))
+    plan += [("hf", "assisted", 1, "greedy"), ("hf", "assisted", 1, "sampled"), ("specray", "draft", 1, "sampled")]
+    runs = {key: Run(*key) for key in plan}
+    check = OutputCheck()
+    phase = {"draft_s": [], "verify_none_s": []}
+    try:
+        # Warm-up: first calls pay for allocation and lazy initialisation.
+        for rt in runtimes.values():
+            rt.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
+        hf.generate(prompts[:1], 4, False, 0.0, 0)
+        bar = tqdm(total=len(plan) * s.repeats, desc="bench", disable=not s.progress, unit="run")
+        for rep in range(s.repeats):
+            for key in plan:
+                system, proposer, b, mode = key
+                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode}")
+                run = runs[key]
+                batch = prompts[:b]
+                temp = s.temperature if mode == "sampled" else 0.0
+                if system == "specray":
+                    rt = runtimes[proposer]
+                    before = rt.metrics()
+                    params = SamplingParams(max_tokens=s.max_tokens, temperature=temp, seed=rep if temp else None)
+                    t0 = time.perf_counter()
+                    outs = rt.generate(batch, params)
+                    dt = time.perf_counter() - t0
+                    after = rt.metrics()
+                    gen = [o.token_ids for o in outs]
+                    run.drafted += after["num_draft_tokens"] - before["num_draft_tokens"]
+                    run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
+                    run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
+                    if b == 1 and mode == "greedy":
+                        steps = after["num_steps"] - before["num_steps"]
+                        if proposer == "draft":
+                            calls = after["num_draft_calls"] - before["num_draft_calls"]
+                            phase["draft_s"].append((after["draft_s"] - before["draft_s"]) / max(1, calls))
+                        if proposer == "none":
+                            phase["verify_none_s"].append((after["verify_s"] - before["verify_s"]) / max(1, steps))
+                else:
+                    gen, dt, calls = hf.generate(batch, s.max_tokens, proposer == "assisted", temp, rep)
+                    if proposer == "assisted":
+                        # Each target call scores one round: emitted tokens per round.
+                        run.emitted += len(gen[0])
+                        run.seq_steps += max(1, calls - 1)
+                run.samples.append(sum(len(g) for g in gen) / dt)
+                if mode == "greedy":
+                    check.check(f"{system}/{proposer}/b{b}", list(range(b)), gen)
+                bar.update(1)
+        bar.close()
+    finally:
+        for rt in runtimes.values():
+            rt.shutdown()
+
+    for run in runs.values():
+        run.finish()
+        if run.proposer == "assisted" and run.mean_accepted_length:
+            run.acceptance_rate = max(0.0, (run.mean_accepted_length - 1) / s.k)
+    spec1 = runs[("specray", "draft", 1, "greedy")]
+    none1 = runs[("specray", "none", 1, "greedy")]
+    alpha = spec1.acceptance_rate or 0.0
+    c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
+    bound = analytic_speedup(alpha, c, s.k)
+    speedup = spec1.tokens_per_s / none1.tokens_per_s
+    result = {
+        "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
+        "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
+        "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
+        "device": str(hf.device), "target": s.target, "draft": s.draft,
+        "runs": [_public(r) for r in runs.values()],
+    }
+    return result
+
+
+def _public(r: Run) -> dict:
+    d = asdict(r)
+    for key in ("accepted", "drafted", "emitted", "seq_steps"):
+        d.pop(key)
+    return d
+
+
+def write_outputs(result: dict, out_dir: str) -> tuple[Path, Path | None]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "bench.json"
+    jpath.write_text(json.dumps(result, indent=2))
+    return jpath, _plot(result, out / "bench.png")
+
+
+def _plot(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [r for r in result["runs"] if r["mode"] == "greedy"]
+    labels = sorted({f"{r['system']}/{r['proposer']}" for r in runs})
+    sizes = sorted({r["batch_size"] for r in runs})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs, ys, err = [], [], [[], []]
+        for j, b in enumerate(sizes):
+            for r in runs:
+                if f"{r['system']}/{r['proposer']}" == label and r["batch_size"] == b:
+                    xs.append(j + i * width)
+                    ys.append(r["tokens_per_s"])
+                    err[0].append(r["tokens_per_s"] - r["tokens_per_s_min"])
+                    err[1].append(r["tokens_per_s_max"] - r["tokens_per_s"])
+        ax.bar(xs, ys, width, yerr=err, label=label, capsize=2)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"batch {b}" for b in sizes])
+    ax.set_ylabel("tokens/s (median, min-max)")
+    ax.set_title(f"specray bench: k={result['k']}, alpha={result['alpha']:.2f}, c={result['c']:.2f}, "
+                 f"{result['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(result: dict) -> str:
+    head = f"{'system':8} {'proposer':9} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
+        lines.append(f"{r['system']:8} {r['proposer']:9} {r['mode']:8} {r['batch_size']:>5} "
+                     f"{r['tokens_per_s']:>10.1f} {spread:>17} {acc:>7} {mal:>8}")
+    lines.append("")
+    lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "
+                 f"analytic bound={result['analytic_bound']:.2f}x  measured (draft vs none, batch 1)="
+                 f"{result['measured_speedup']:.2f}x  efficiency={result['efficiency']:.2f}")
+    lines.append(f"greedy outputs equal across every configuration: {result['greedy_outputs_equal']}")
+    return "\n".join(lines)
