@@ -64,10 +64,11 @@ class BlockManager:
         or waits."""
         if num_tokens < 0 or num_lookahead < 0:
             raise ValueError(f"negative slot count: {num_tokens=} {num_lookahead=}")
+        created = seq_id not in self._tables
         table = self._tables.setdefault(seq_id, [])
         missing = self.blocks_needed(num_tokens + num_lookahead) - len(table)
         if missing > len(self._free):
-            if not table:
+            if created:
                 del self._tables[seq_id]
             return False
         for _ in range(missing):

@@ -81,13 +81,17 @@ class StepPlan:
         _expect(all(c >= 0 for c in self.num_computed), "StepPlan.num_computed is negative")
         _expect(all(c >= 0 for c in self.num_new), "StepPlan.num_new is negative")
         _expect(all(0 <= x <= self.k for x in self.proposal_lens), "StepPlan.proposal_lens outside [0, k]")
-        if self.proposal_token_ids:
+        if self.proposal_token_ids or self.draft_rows:
             _expect(len(self.proposal_token_ids) == n * self.k,
                     f"StepPlan.proposal_token_ids has {len(self.proposal_token_ids)} entries, expected {n * self.k}")
             _expect(len(self.draft_rows) == n, "StepPlan.draft_rows does not match seq_ids")
         for i in range(n):
             _expect(self.num_slots[i] >= self.num_computed[i] + self.num_new[i],
                     f"StepPlan.num_slots[{i}] cannot hold the fed tokens")
+        _expect(all(0.0 <= t < float("inf") for t in self.temperature), "StepPlan.temperature must be finite and >= 0")
+        _expect(all(0.0 < p <= 1.0 for p in self.top_p), "StepPlan.top_p must be in (0, 1]")
+        _expect(all(x >= 0 for x in self.top_k), "StepPlan.top_k must be >= 0")
+        _expect(all(r >= -1 for r in self.draft_rows), "StepPlan.draft_rows must be >= -1")
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Proposals:
 
     def validate(self) -> None:
         n = len(self.seq_ids)
+        _expect(self.k >= 0, f"Proposals.k must be >= 0, got {self.k}")
         _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
         _expect(len(self.token_ids) == n * self.k,
                 f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
@@ -165,7 +170,7 @@ def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSA
     if not (isinstance(obj, list) and len(obj) == 3):
         raise ProtocolError("message must be [version, type, fields]")
     version, name, values = obj
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:

@@ -159,7 +159,6 @@ def test_wrong_protocol_version(version):
     assert_protocol_error(pack(obj), match="version")
 
 
-@pytest.mark.xfail(strict=True, reason="decode accepts a float protocol version (1.0 == 1)")
 def test_float_protocol_version_is_rejected():
     obj = raw(make_result())
     obj[0] = 1.0
@@ -258,6 +257,10 @@ def test_inconsistent_plan_lengths():
     neg = list(p.num_new)
     neg[0], neg[1] = -1, neg[1] + neg[0] + 1   # sum unchanged
     assert_protocol_error(with_field(p, num_new=neg), match="negative")
+
+
+def test_negative_proposals_k_is_rejected():
+    assert_protocol_error(with_field(Proposals(), k=-1), match="k")
 
 
 def test_inconsistent_proposals_and_result_lengths():
