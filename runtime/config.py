@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROPOSERS = ("draft", "ngram", "none")
+PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -26,6 +27,8 @@ class RuntimeConfig:
     num_target_workers: int = 1
     draft_resources: dict[str, float] = field(default_factory=dict)
     target_resources: dict[str, float] = field(default_factory=dict)
+    placement_strategy: str = "SPREAD"
+    placement_timeout_s: float = 300.0       # an autoscaler may need minutes to add nodes
     ray_address: str | None = None
     name: str | None = None                  # a named driver can be attached with SpecRuntime.connect
     namespace: str = "specray"
@@ -57,8 +60,10 @@ class RuntimeConfig:
         _positive_int("seed", self.seed, allow_zero=True)
         _positive_int("num_draft_workers", self.num_draft_workers)
         _positive_int("num_target_workers", self.num_target_workers)
-        if self.num_draft_workers != 1 or self.num_target_workers != 1:
-            raise ValueError("num_draft_workers and num_target_workers must be 1 in this release")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}")
+        if not isinstance(self.placement_timeout_s, (int, float)) or self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s!r}")
         for name in ("draft_resources", "target_resources"):
             res = getattr(self, name)
             if not isinstance(res, dict) or any(not isinstance(v, (int, float)) or v < 0 for v in res.values()):

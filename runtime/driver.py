@@ -18,13 +18,11 @@ from runtime.config import RuntimeConfig
 from runtime.engine import Engine
 from runtime.request_output import RequestOutput
 from scheduler.block_manager import BlockManager
-from scheduler.messages import Proposals, StepResult, decode, encode
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
 from workers import model_loader
-from workers.model_runner import WorkerConfig
-from workers.ngram_proposer import NgramProposer
+from runtime.worker_pool import start_workers
 
 
 @dataclass
@@ -63,15 +61,16 @@ class DriverCore:
         wcfg = dict(dtype=config.dtype, device=config.device, block_size=config.block_size,
                     num_kv_blocks=config.num_kv_blocks, max_model_len=self.max_model_len,
                     max_num_seqs=config.max_num_seqs)
-        self._actors: list = []
-        verify, propose, t_blocks, d_blocks = self._start_workers(backend, wcfg)
+        self.pool = start_workers(config, wcfg, backend)
         sched_cfg = SchedulerConfig(
             num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
             use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens)
-        draft_pool = BlockManager(d_blocks, config.block_size) if d_blocks else None
-        self.scheduler = Scheduler(sched_cfg, BlockManager(t_blocks, config.block_size), draft_pool)
-        self.engine = Engine(self.scheduler, verify, propose)
+        bs = config.block_size
+        draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
+        self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
+                                   num_proposers=len(self.pool.proposers))
+        self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -81,51 +80,6 @@ class DriverCore:
         self._last_error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
         self._thread.start()
-
-    # -- workers -------------------------------------------------------------------
-    def _start_workers(self, backend: str, wcfg: dict):
-        cfg = self.config
-        if backend == "local":
-            from workers.draft_worker import DraftWorker
-            from workers.target_worker import TargetWorker
-
-            target = TargetWorker(WorkerConfig(cfg.target, **wcfg))
-            verify = lambda plan, probs: target.verify(plan, *probs)  # noqa: E731
-            propose, d_blocks = None, None
-            if cfg.proposer == "draft":
-                draft = DraftWorker(WorkerConfig(cfg.draft, **wcfg))
-                propose, d_blocks = draft.propose, draft.num_blocks()
-            elif cfg.proposer == "ngram":
-                propose = NgramProposer(cfg.ngram_max, cfg.ngram_min).propose
-            return verify, propose, target.num_blocks(), d_blocks
-        if backend != "ray":
-            raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
-        import ray
-
-        from runtime.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
-
-        gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        target = RemoteTargetWorker.options(**actor_options(cfg.target_resources, gpu)).remote(
-            WorkerConfig(cfg.target, **wcfg))
-        self._actors.append(target)
-
-        def verify(plan, probs):
-            return decode(ray.get(target.verify_msg.remote(encode(plan), *probs)), StepResult)
-
-        propose, d_blocks = None, None
-        if cfg.proposer == "draft":
-            draft = RemoteDraftWorker.options(**actor_options(cfg.draft_resources, gpu)).remote(
-                WorkerConfig(cfg.draft, **wcfg))
-            self._actors.append(draft)
-
-            def propose(plan):
-                ref, probs_ref = draft.propose_msg.remote(encode(plan))
-                return decode(ray.get(ref), Proposals), probs_ref
-
-            d_blocks = ray.get(draft.num_blocks.remote())
-        elif cfg.proposer == "ngram":
-            propose = NgramProposer(cfg.ngram_max, cfg.ngram_min).propose
-        return verify, propose, ray.get(target.num_blocks.remote()), d_blocks
 
     # -- client API ----------------------------------------------------------------
     def info(self) -> dict:
@@ -252,13 +206,13 @@ class DriverCore:
     def metrics(self) -> dict:
         m = self.scheduler.stats.as_dict()
         m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-                 target_kv_blocks_used=self.scheduler.target_blocks.num_used_blocks,
-                 target_kv_blocks_total=self.scheduler.target_blocks.num_blocks,
+                 target_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.target_pools],
+                 target_kv_blocks_total=[p.num_blocks for p in self.scheduler.target_pools],
+                 draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],
+                 draft_kv_blocks_total=[p.num_blocks for p in self.scheduler.draft_pools],
+                 num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
                  num_speculative_tokens=self.config.k, proposer=self.config.proposer,
                  last_error=self._last_error)
-        if self.scheduler.draft_blocks is not None:
-            m.update(draft_kv_blocks_used=self.scheduler.draft_blocks.num_used_blocks,
-                     draft_kv_blocks_total=self.scheduler.draft_blocks.num_blocks)
         return m
 
     def shutdown(self) -> None:
@@ -266,11 +220,7 @@ class DriverCore:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
-        if self._actors:
-            import ray
-            for a in self._actors:
-                ray.kill(a)
-            self._actors.clear()
+        self.pool.release()
 
     # -- the step loop -------------------------------------------------------------
     def _loop(self) -> None:

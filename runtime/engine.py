@@ -1,30 +1,50 @@
 """One step of speculative decoding, independent of how workers are reached.
 
-    schedule -> propose -> merge -> verify -> update
+    schedule -> propose (every draft worker at once) -> merge -> verify (every target
+    worker at once) -> update
 
-``propose`` and ``verify`` are callables: plain method calls on in-process workers, or Ray
-actor calls (where draft probabilities stay ObjectRefs the engine passes along unread).
+Workers are reached through ``WorkerCall``s: ``submit`` starts a call and returns a
+handle, ``wait`` returns its result. In-process workers simply run in ``submit``; Ray
+workers return ObjectRefs, so all draft workers (then all target workers) compute in
+parallel, and draft probabilities stay ObjectRefs the engine hands on unread.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from scheduler.merge import merge_proposals
 from scheduler.messages import Proposals, StepPlan, StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 
-ProposeFn = Callable[[StepPlan], tuple[Proposals, Any]]
-VerifyFn = Callable[[StepPlan, list], StepResult]
+
+class WorkerCall(Protocol):
+    def submit(self, plan: StepPlan, *args: Any) -> Any: ...
+    def wait(self, handle: Any) -> Any: ...
+
+
+class LocalCall:
+    """An in-process worker method as a WorkerCall."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def submit(self, plan: StepPlan, *args: Any) -> Any:
+        return self.fn(plan, *args)
+
+    def wait(self, handle: Any) -> Any:
+        return handle
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, verify: VerifyFn, propose: ProposeFn | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall]) -> None:
+        """``proposers[r].wait`` yields ``(Proposals, probs handle)``; ``verifiers[r].wait``
+        yields a ``StepResult``."""
         self.scheduler = scheduler
-        self.verify = verify
-        self.propose = propose
+        self.verifiers = verifiers
+        self.proposers = proposers
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, tokens appended) for each scheduled sequence."""
@@ -32,20 +52,31 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        probs: list = []
+        shards: list[tuple[Proposals, Any]] = []
         draft_s = None
-        if step.draft is not None and self.propose is not None:
-            t1 = time.perf_counter()
-            proposals, handle = self.propose(step.draft)
-            draft_s = time.perf_counter() - t1 if step.draft.seq_ids else None
-            shards = [proposals] if proposals.seq_ids else []
-            if proposals.has_probs:
-                probs.append(handle)
-            self.scheduler.attach_proposals(step, merge_proposals(step.target.seq_ids, step.target.k, shards))
-        t2 = time.perf_counter()
-        result = self.verify(step.target, probs)
-        self.scheduler.stats.record_phases(draft_s, time.perf_counter() - t2)
-        return self.scheduler.update(step, result, time.perf_counter() - t0)
+        if any(p is not None for p in step.draft_plans):
+            t_draft = time.perf_counter()
+            pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans) if p is not None]
+            shards = [self.proposers[r].wait(h) for r, h in pending]
+            if any(p.seq_ids for p, _ in shards):
+                draft_s = time.perf_counter() - t_draft
+        t1 = time.perf_counter()
+        pending = []
+        for r, plan in enumerate(step.target_plans):
+            if plan is None:
+                continue
+            probs = []
+            if shards and plan.seq_ids:
+                mine = set(plan.seq_ids)
+                used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
+                self.scheduler.attach_proposals(step, r, merge_proposals(plan.seq_ids, plan.k, [p for p, _ in used]))
+                probs = [h for p, h in used if p.has_probs]
+            pending.append((r, self.verifiers[r].submit(plan, probs)))
+        results: list[StepResult | None] = [None] * len(step.target_plans)
+        for r, h in pending:
+            results[r] = self.verifiers[r].wait(h)
+        self.scheduler.stats.record_phases(draft_s, time.perf_counter() - t1)
+        return self.scheduler.update(step, results, time.perf_counter() - t0)
 
     def run_until_done(self) -> None:
         while self.scheduler.has_work:

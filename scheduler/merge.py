@@ -12,6 +12,8 @@ with its own per-sequence lengths, land in the target batch's order::
 ``draft_rows`` indexes the concatenation of the shards' probability tensors in shard
 order, and is -1 for sequences without proposals or whose shard sent no probabilities
 (deterministic proposals such as n-gram lookups, which the sampler treats as one-hot).
+With several target workers a shard also holds other workers' sequences: they are
+skipped, but their rows still count, since the target receives whole probability tensors.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> Merg
         for r, sid in enumerate(shard.seq_ids):
             i = where.get(sid)
             if i is None:
-                raise ValueError(f"shard proposed for sequence {sid}, which is not in the batch")
+                continue
             length = shard.proposal_lens[r]
             lens[i] = length
             tokens[i * k:i * k + length] = shard.token_ids[r * k:r * k + length]

@@ -1,16 +1,23 @@
-"""Continuous batching with per-sequence proposal lengths and lookahead reservation.
+"""Continuous batching with per-sequence proposal lengths and lookahead reservation,
+over any number of target and draft workers.
 
 Each step::
 
-    schedule()  -> ScheduledStep (a target plan, and a draft plan for sequences with k_i > 0)
-    workers     -> Proposals, StepResult
+    schedule()  -> ScheduledStep: one plan per target worker, one per draft worker
+    workers     -> Proposals (per draft worker), StepResult (per target worker)
     update()    -> sequences advanced, finished ones released
 
-Running sequences are served oldest first and keep their place; when a worker's pool
-cannot hold a sequence's slots the newest running sequence is preempted (its KV is
-dropped everywhere and it is recomputed from its tokens later: ``computed = 0``). Waiting
-requests join only with what is left. Nothing is ever dropped: a preempted sequence goes
-back to the front of the queue with every token it had emitted.
+Every sequence lives on one target worker and one draft worker (its ranks), chosen when
+it is admitted — the least loaded by tokens where it fits — and kept while it runs, so
+each worker keeps its sequences' KV. Target workers are data parallel: each verifies only
+its own sequences.
+
+Running sequences are served oldest first and keep their place; when a target pool
+cannot hold a sequence's slots the newest running sequence of that pool is preempted
+(its KV is dropped everywhere and it is recomputed from its tokens later:
+``computed = 0``). A draft pool that is short only turns speculation off for that
+sequence this step. Waiting requests join with what is left. Nothing is ever dropped: a
+preempted sequence goes back to the front of the queue with every token it emitted.
 """
 
 from __future__ import annotations
@@ -48,26 +55,32 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     step_id: int
-    seqs: list[Sequence]                 # the target batch, in order
-    target: StepPlan
-    draft: StepPlan | None               # sequences with k_i > 0, same relative order
-    draft_seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Sequence]                          # every scheduled sequence, oldest first
+    target_plans: list[StepPlan | None]           # per target worker; None: nothing to send
+    target_seqs: list[list[Sequence]]
+    draft_plans: list[StepPlan | None] = field(default_factory=list)   # per draft worker
+    draft_seqs: list[list[Sequence]] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, target_blocks: BlockManager,
-                 draft_blocks: BlockManager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, target_pools: BlockManager | list[BlockManager],
+                 draft_pools: BlockManager | list[BlockManager] | None = None, num_proposers: int = 1) -> None:
+        """``draft_pools``: the draft workers' pools (None for a proposer without KV, such
+        as n-gram lookup, of which there are ``num_proposers``)."""
         self.config = config
         self.k = config.num_speculative_tokens if config.use_proposer else 0
-        self.target_blocks = target_blocks
-        self.draft_blocks = draft_blocks
+        self.target_pools = _as_list(target_pools)
+        self.draft_pools = _as_list(draft_pools) if draft_pools is not None else []
+        if not self.target_pools:
+            raise ValueError("at least one target pool is needed")
+        self.num_draft_ranks = (len(self.draft_pools) or num_proposers) if self.k else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecStats(k=self.k)
         self._step_id = 0
         # Frees the workers have not been told about yet; they travel with the next plan.
-        self._target_frees: list[int] = []
-        self._draft_frees: list[int] = []
+        self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
+        self._draft_frees: list[list[int]] = [[] for _ in range(self.num_draft_ranks)]
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,19 +112,23 @@ class Scheduler:
             return 0
         return max(k, 0)
 
+    def _draft_pool(self, seq: Sequence) -> BlockManager | None:
+        return self.draft_pools[seq.draft_rank] if self.draft_pools else None
+
     def _reserve(self, seq: Sequence, k: int) -> int | None:
         """Reserve slots for one step; returns the k_i that fits (draft shortfalls lower
         it to 0, which needs no draft slots) or None when the target cannot hold even the
         fed tokens."""
         n = seq.num_tokens
-        draft = self.draft_blocks
+        target = self.target_pools[seq.target_rank]
+        draft = self._draft_pool(seq)
         if k > 0 and draft is not None and not _fits(draft, seq.seq_id, n + k - 1):
             k = 0
-        if not _fits(self.target_blocks, seq.seq_id, n + k):
-            if k == 0 or not _fits(self.target_blocks, seq.seq_id, n):
+        if not _fits(target, seq.seq_id, n + k):
+            if k == 0 or not _fits(target, seq.seq_id, n):
                 return None
             k = 0
-        _resize(self.target_blocks, seq.seq_id, n + k)
+        _resize(target, seq.seq_id, n + k)
         if k > 0 and draft is not None:
             _resize(draft, seq.seq_id, n + k - 1)
         return k
@@ -127,13 +144,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        # Workers ignore frees of sequences they never saw, so telling both is always safe.
-        self.target_blocks.free(seq.seq_id)
-        self._target_frees.append(seq.seq_id)
-        if self.draft_blocks is not None:
-            self.draft_blocks.free(seq.seq_id)
-        if self.k:
-            self._draft_frees.append(seq.seq_id)
+        # Workers ignore frees of sequences they never saw, so telling them is always safe.
+        self.target_pools[seq.target_rank].free(seq.seq_id)
+        self._target_frees[seq.target_rank].append(seq.seq_id)
+        if self.num_draft_ranks:
+            pool = self._draft_pool(seq)
+            if pool is not None:
+                pool.free(seq.seq_id)
+            self._draft_frees[seq.draft_rank].append(seq.seq_id)
+
+    def _place(self, seq: Sequence, t_load: list[int], d_load: list[int]) -> None:
+        """Pick the least loaded target and draft worker (by tokens) for a newcomer; a
+        target pool it fits in beats one it does not."""
+        n = seq.num_tokens
+        seq.target_rank = min(range(len(t_load)),
+                              key=lambda r: (not _fits(self.target_pools[r], seq.seq_id, n), t_load[r], r))
+        seq.draft_rank = min(range(len(d_load)), key=lambda r: (d_load[r], r))
+        t_load[seq.target_rank] += n
+        d_load[seq.draft_rank] += n
 
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
@@ -143,7 +171,10 @@ class Scheduler:
             seq = queue.pop(0)
             k = self._reserve(seq, self.proposal_len(seq))
             while k is None:
-                victim = queue.pop() if queue else seq
+                same_pool = [s for s in queue if s.target_rank == seq.target_rank]
+                victim = same_pool[-1] if same_pool else seq
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -153,11 +184,17 @@ class Scheduler:
                 batch.append((seq, k))
 
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
+        t_load = [0] * len(self.target_pools)
+        d_load = [0] * max(self.num_draft_ranks, 1)
+        for s in self.running:
+            t_load[s.target_rank] += s.num_tokens
+            d_load[s.draft_rank] += s.num_tokens
         while self.waiting and not preempted and len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cost = seq.num_tokens - seq.target_computed
             if batch and cost > budget:
                 break
+            self._place(seq, t_load, d_load)
             k = self._reserve(seq, self.proposal_len(seq))
             if k is None:
                 break
@@ -170,65 +207,89 @@ class Scheduler:
         if not batch:
             if self.waiting and not self.running:
                 seq = self.waiting[0]
+                pool = self.target_pools[seq.target_rank]
                 raise RuntimeError(f"KV pool too small: request {seq.request_id} needs "
-                                   f"{self.target_blocks.blocks_needed(seq.num_tokens)} blocks, the pool has "
-                                   f"{self.target_blocks.num_blocks}")
+                                   f"{pool.blocks_needed(seq.num_tokens)} blocks, the pool has {pool.num_blocks}")
             return None
         return self._build(batch)
 
     def _build(self, batch: list[tuple[Sequence, int]]) -> ScheduledStep:
         self._step_id += 1
-        target = StepPlan(step_id=self._step_id, k=self.k, free_seq_ids=self._target_frees)
-        self._target_frees = []
-        draft = None
-        draft_seqs: list[Sequence] = []
-        if any(k for _, k in batch) or (self._draft_frees and self.k):
-            draft = StepPlan(step_id=self._step_id, k=self.k, free_seq_ids=self._draft_frees)
-            self._draft_frees = []
+        sid = self._step_id
+        t_plans: list[StepPlan | None] = [None] * len(self.target_pools)
+        t_seqs: list[list[Sequence]] = [[] for _ in self.target_pools]
+        d_plans: list[StepPlan | None] = [None] * self.num_draft_ranks
+        d_seqs: list[list[Sequence]] = [[] for _ in range(self.num_draft_ranks)]
         for seq, k in batch:
             seq.step_len = n = seq.num_tokens
             seq.step_k = k
-            _add_seq(target, seq, seq.target_computed, n + k, k)
+            t = seq.target_rank
+            if t_plans[t] is None:
+                t_plans[t] = StepPlan(step_id=sid, k=self.k)
+            _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
+            t_seqs[t].append(seq)
             if k:
-                _add_seq(draft, seq, seq.draft_computed, n + k - 1, k)
-                draft_seqs.append(seq)
-        return ScheduledStep(self._step_id, [s for s, _ in batch], target, draft, draft_seqs)
+                d = seq.draft_rank
+                if d_plans[d] is None:
+                    d_plans[d] = StepPlan(step_id=sid, k=self.k)
+                _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
+                d_seqs[d].append(seq)
+        # Pending frees ride with a plan of that worker, or alone when it has no work.
+        for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
+            for r, pending in enumerate(frees):
+                if not pending:
+                    continue
+                if plans[r] is None:
+                    plans[r] = StepPlan(step_id=sid, k=self.k)
+                plans[r].free_seq_ids = pending
+                frees[r] = []
+        return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)
 
-    def attach_proposals(self, step: ScheduledStep, merged: MergedProposals) -> None:
-        step.target.proposal_token_ids = merged.token_ids
-        step.target.proposal_lens = merged.proposal_lens
-        step.target.draft_rows = merged.draft_rows
+    def attach_proposals(self, step: ScheduledStep, rank: int, merged: MergedProposals) -> None:
+        plan = step.target_plans[rank]
+        plan.proposal_token_ids = merged.token_ids
+        plan.proposal_lens = merged.proposal_lens
+        plan.draft_rows = merged.draft_rows
 
     # -- results -------------------------------------------------------------------
-    def update(self, step: ScheduledStep, result: StepResult, seconds: float = 0.0) -> list[tuple[Sequence, list[int]]]:
-        """Apply the target's verdict; return (sequence, newly appended tokens) for every
+    def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0
+               ) -> list[tuple[Sequence, list[int]]]:
+        """Apply every target worker's verdict (``results`` aligned with
+        ``step.target_plans``); return (sequence, newly appended tokens) for every
         sequence of the step. Finished sequences are released."""
-        if list(result.seq_ids) != [s.seq_id for s in step.seqs]:
-            raise ValueError("StepResult does not match the scheduled batch")
+        for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
+            res = results[r] if r < len(results) else None
+            if seqs and (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]):
+                raise ValueError(f"StepResult of target worker {r} does not match its batch")
+            if seqs:
+                for i, (seq, n_emit) in enumerate(zip(seqs, res.num_emitted)):
+                    proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+                    if not 1 <= n_emit <= proposed + 1:
+                        raise ValueError(f"sequence {seq.seq_id} emitted {n_emit} tokens for {proposed} proposals")
         out = []
-        plan = step.target
         drafted = accepted = emitted_total = 0
-        pos = 0
-        in_draft = {s.seq_id for s in step.draft_seqs}
-        for i, seq in enumerate(step.seqs):
-            n_emit = result.num_emitted[i]
-            emitted = result.token_ids[pos:pos + n_emit]
-            pos += n_emit
-            proposed = plan.proposal_lens[i] if plan.proposal_lens else 0
-            n_acc = n_emit - 1
-            if n_acc > proposed:
-                raise ValueError(f"sequence {seq.seq_id} accepted {n_acc} of {proposed} proposals")
-            L = seq.step_len
-            seq.target_computed = L + n_acc
-            if seq.seq_id in in_draft:
-                seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
-            seq.num_draft_tokens += proposed
-            seq.num_accepted_tokens += n_acc
-            drafted += proposed
-            accepted += n_acc
-            emitted_total += n_emit
-            appended = self._append(seq, emitted)
-            out.append((seq, appended))
+        for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
+            if not seqs:
+                continue
+            res = results[r]
+            pos = 0
+            for i, seq in enumerate(seqs):
+                n_emit = res.num_emitted[i]
+                emitted = res.token_ids[pos:pos + n_emit]
+                pos += n_emit
+                proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+                n_acc = n_emit - 1
+                L = seq.step_len
+                seq.target_computed = L + n_acc
+                if seq.step_k:
+                    # The draft cached its fed tokens and all its proposals but the last.
+                    seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
+                seq.num_draft_tokens += proposed
+                seq.num_accepted_tokens += n_acc
+                drafted += proposed
+                accepted += n_acc
+                emitted_total += n_emit
+                out.append((seq, self._append(seq, emitted)))
         self.stats.record_step(len(step.seqs), emitted_total, drafted, accepted, seconds)
         for seq, _ in out:
             if seq.finished:
@@ -264,13 +325,17 @@ class Scheduler:
         return seqs
 
     def check_integrity(self) -> None:
-        self.target_blocks.check_integrity()
-        if self.draft_blocks is not None:
-            self.draft_blocks.check_integrity()
+        for pool in self.target_pools + self.draft_pools:
+            pool.check_integrity()
         ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
         assert len(ids) == len(set(ids)), "a sequence is both waiting and running"
         for s in self.waiting:
-            assert not self.target_blocks.has(s.seq_id), f"waiting sequence {s.seq_id} holds target blocks"
+            assert not any(p.has(s.seq_id) for p in self.target_pools), \
+                f"waiting sequence {s.seq_id} holds target blocks"
+
+
+def _as_list(pools) -> list[BlockManager]:
+    return list(pools) if isinstance(pools, (list, tuple)) else [pools]
 
 
 def _fits(bm: BlockManager, seq_id: int, slots: int) -> bool:

@@ -40,6 +40,9 @@ class Sequence:
     # Set while a step is in flight: the length before the step and the planned k_i.
     step_len: int = 0
     step_k: int = 0
+    # Which target / draft worker holds this sequence's KV (sticky while it runs).
+    target_rank: int = 0
+    draft_rank: int = 0
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
     @property

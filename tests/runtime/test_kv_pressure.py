@@ -18,7 +18,7 @@ def run(cfg, prompts, params):
         assert reply.error is None, reply.error
         outs = drv.wait(reply.request_ids, timeout=300)
         drv.scheduler.check_integrity()
-        assert drv.scheduler.target_blocks.num_used_blocks == 0
+        assert all(p.num_used_blocks == 0 for p in drv.scheduler.target_pools + drv.scheduler.draft_pools)
         return outs, drv.metrics()
     finally:
         drv.shutdown()

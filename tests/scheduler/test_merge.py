@@ -68,9 +68,13 @@ def test_padding_beyond_proposal_len_is_not_trusted_from_the_shard():
     assert m.token_ids == [5, -1, -1]
 
 
+def test_other_workers_sequences_are_skipped_but_keep_their_rows():
+    # Shard rows: seq 3 (another target worker's), then seq 2: row 1 of the tensor.
+    m = merge_proposals([1, 2], 2, [shard(2, {3: [7, 8], 2: [5]})])
+    assert m == MergedProposals([-1, -1, 5, -1], [0, 1], [-1, 1])
+
+
 def test_errors():
-    with pytest.raises(ValueError, match="not in the batch"):
-        merge_proposals([1, 2], 2, [shard(2, {3: [1]})])
     with pytest.raises(ValueError, match="k=3"):
         merge_proposals([1, 2], 2, [shard(3, {1: [1]})])
     with pytest.raises(ValueError, match="k=2"):

@@ -1,0 +1,150 @@
+"""Start the draft and target workers and hand them to the engine as WorkerCalls.
+
+On Ray each worker is an actor asking for exactly its configured resources (plus one GPU
+on CUDA, ``num_cpus=0`` unless configured). Workers go into one placement group, one
+bundle each, with the configured strategy (SPREAD by default: workers of one kind land on
+distinct nodes when the cluster has them; PACK co-locates; STRICT_SPREAD insists).
+Bundles must ask for something, so with no resources configured the actors are spread
+by Ray's SPREAD scheduling instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.config import RuntimeConfig
+from runtime.engine import LocalCall, WorkerCall
+from scheduler.messages import Proposals, StepResult, decode, encode
+from workers.model_runner import WorkerConfig
+from workers.ngram_proposer import NgramProposer
+
+
+@dataclass
+class WorkerPool:
+    verifiers: list[WorkerCall]
+    proposers: list[WorkerCall]
+    target_blocks: list[int]
+    draft_blocks: list[int] | None          # None: proposers without KV (n-gram) or none
+    actors: list = field(default_factory=list)
+    placement_group: Any = None
+
+    def release(self) -> None:
+        if not self.actors and self.placement_group is None:
+            return
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors.clear()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+class RayVerify:
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def submit(self, plan, probs):
+        # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
+        return self.actor.verify_msg.remote(encode(plan), *probs)
+
+    def wait(self, handle):
+        import ray
+
+        return decode(ray.get(handle), StepResult)
+
+
+class RayPropose:
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def submit(self, plan):
+        return self.actor.propose_msg.remote(encode(plan))
+
+    def wait(self, handle):
+        import ray
+
+        ref, probs_ref = handle
+        return decode(ray.get(ref), Proposals), probs_ref
+
+
+def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str) -> WorkerPool:
+    if backend == "local":
+        return _start_local(cfg, wcfg)
+    if backend != "ray":
+        raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
+    return _start_ray(cfg, wcfg)
+
+
+def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
+    # Prompt lookup is cheap host work: it runs in the driver and costs no actor hop.
+    return [LocalCall(NgramProposer(cfg.ngram_max, cfg.ngram_min).propose)]
+
+
+def _start_local(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
+    from workers.draft_worker import DraftWorker
+    from workers.target_worker import TargetWorker
+
+    targets = [TargetWorker(WorkerConfig(cfg.target, **wcfg)) for _ in range(cfg.num_target_workers)]
+    verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
+    proposers, d_blocks = [], None
+    if cfg.proposer == "draft":
+        drafts = [DraftWorker(WorkerConfig(cfg.draft, **wcfg)) for _ in range(cfg.num_draft_workers)]
+        proposers = [LocalCall(d.propose) for d in drafts]
+        d_blocks = [d.num_blocks() for d in drafts]
+    elif cfg.proposer == "ngram":
+        proposers = _ngram(cfg)
+    return WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
+
+
+def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from runtime.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
+
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    kinds = [("target", RemoteTargetWorker, cfg.target, actor_options(cfg.target_resources, gpu))
+             for _ in range(cfg.num_target_workers)]
+    if cfg.proposer == "draft":
+        kinds += [("draft", RemoteDraftWorker, cfg.draft, actor_options(cfg.draft_resources, gpu))
+                  for _ in range(cfg.num_draft_workers)]
+    bundles = [_bundle(opts) for _, _, _, opts in kinds]
+    pg = None
+    if all(bundles):
+        pg = placement_group(bundles, strategy=cfg.placement_strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=cfg.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(f"the cluster cannot place {len(bundles)} workers {bundles} with strategy "
+                               f"{cfg.placement_strategy} within {cfg.placement_timeout_s:.0f}s")
+    actors = []
+    try:
+        for i, (kind, cls, model, opts) in enumerate(kinds):
+            if pg is not None:
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            else:
+                strategy = "SPREAD"
+            actors.append(cls.options(**opts, scheduling_strategy=strategy).remote(WorkerConfig(model, **wcfg)))
+        targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
+        drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
+        t_blocks = ray.get([a.num_blocks.remote() for a in targets])
+        d_blocks = ray.get([a.num_blocks.remote() for a in drafts]) if drafts else None
+    except BaseException:
+        for a in actors:
+            ray.kill(a)
+        if pg is not None:
+            remove_placement_group(pg)
+        raise
+    proposers = [RayPropose(a) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
+    return WorkerPool([RayVerify(a) for a in targets], proposers, t_blocks, d_blocks, actors, pg)
+
+
+def _bundle(opts: dict) -> dict:
+    b = {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0), **opts.get("resources", {})}
+    return {k: v for k, v in b.items() if v}
