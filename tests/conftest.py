@@ -65,17 +65,71 @@ def qwen2_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("qwen2"), "qwen2", kv_heads=1, seed=1)
 
 
-@pytest.fixture(scope="session")
+_RAY_TMP = tempfile.mkdtemp(prefix="srt", dir="/tmp")
+os.environ["RAY_TMPDIR"] = _RAY_TMP
+
+
+@pytest.fixture
 def ray_session():
-    """One private Ray for the whole test session (starting one takes 8-15 s here)."""
+    """A private local Ray, started once and reused by every test that needs one (starting
+    one takes 8-15 s here). Tests that need a multi-node cluster shut it down; the next
+    user starts it again, so those tests sit together in one module."""
     import ray
 
-    tmp = tempfile.mkdtemp(prefix="srt", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = tmp
-    ray.init(address="local", num_cpus=2, object_store_memory=150 * 1024 * 1024, include_dashboard=False,
-             log_to_driver=False, _temp_dir=tmp)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, object_store_memory=150 * 1024 * 1024, include_dashboard=False,
+                 log_to_driver=False, _temp_dir=_RAY_TMP)
+    return ray
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A real head node started with ``ray start --head --block`` (dashboard and job server
+    included), as users run one. Stopped by its pid at the end: never ``ray stop``, which
+    would kill every Ray on the machine. Yields (gcs address, dashboard url, env for
+    clients)."""
+    import subprocess
+    import time
+    import urllib.request
+
+    port, dash = free_port(), free_port()
+    tmp = tempfile.mkdtemp(prefix="srh", dir="/tmp")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=tmp)
+    env.pop("RAY_ADDRESS", None)
+    log = open(os.path.join(tmp, "head.log"), "w")
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", f"--port={port}",
+         f"--dashboard-port={dash}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+         f"--temp-dir={tmp}", "--object-store-memory=150000000", "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/api/version", timeout=2)
+            break
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"ray head did not start; see {log.name}")
+            time.sleep(1)
+    client_env = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
+    yield f"127.0.0.1:{port}", url, client_env
+    import signal
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

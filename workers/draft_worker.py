@@ -71,5 +71,7 @@ class DraftWorker:
                 tok = torch.where(greedy[idx], tok, drawn)
                 probs[idx, p] = q
             proposals[idx, p] = tok
+        # Rows planned with k_i = 0 still ran pass 0; their token is not a proposal.
+        proposals[r.to_device([i for i in range(n) if lens[i] == 0])] = -1
         return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, seq_ids=list(plan.seq_ids),
                          proposal_lens=list(lens), token_ids=proposals.flatten().tolist()), probs

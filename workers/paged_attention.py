@@ -87,6 +87,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     meta = specray_meta
     if meta is None:
         raise RuntimeError("specray paged attention called without specray_meta")
+    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if unsupported:
+        # Silently ignoring these would give wrong outputs (e.g. Gemma 2's logit softcap).
+        raise ValueError(f"specray paged attention does not support {', '.join(unsupported)} "
+                                  f"({type(module).__name__})")
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))

@@ -64,15 +64,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int] | None, top_p: li
     ranks = torch.arange(vocab, device=logits.device).expand(m, vocab)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
-        drop |= ranks >= k.unsqueeze(-1)
+        k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=logits.device)
+        # Ties with the k-th value survive, as in transformers and vLLM.
+        kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+        drop |= sorted_logits < kth
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if top_p is not None:
         p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs                       # exclusive cumsum
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-        drop |= (mass_before >= p.unsqueeze(-1)) & (ranks > 0)
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays,
+        # and rows with top_p = 1 keep everything (float rounding must not cut their tail).
+        drop |= (mass_before >= p.unsqueeze(-1)) & (ranks > 0) & (p < 1.0).unsqueeze(-1)
     filtered = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, filtered)
 
