@@ -5,52 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-BUILTIN_MODELS = Path(__file__).resolve().parent.parent / "models"
-
-
-def _builtin(name: str) -> str | None:
-    path = BUILTIN_MODELS / name
-    return str(path) if (path / "config.json").exists() else None
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target model dir or hub id (default: the built-in pair)")
-    p.add_argument("--draft", default=None, help="draft model dir or hub id (default: the built-in pair)")
-    p.add_argument("--proposer", default="draft", choices=["draft", "ngram", "none"])
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ray-address", default=None)
-
-
-def _config(args):
-    from runtime.config import RuntimeConfig
-
-    target = args.target or _builtin("tiny-target")
-    if target is None:
-        raise SystemExit("no --target given and the built-in pair is missing under models/")
-    draft = None
-    if args.proposer == "draft":
-        draft = args.draft or (_builtin("tiny-draft") if args.target is None else None)
-        if draft is None:
-            raise SystemExit("--proposer draft needs --draft")
-    return RuntimeConfig(target=target, draft=draft, proposer=args.proposer,
-                         num_speculative_tokens=args.num_speculative_tokens, device=args.device,
-                         dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                         seed=args.seed, ray_address=args.ray_address)
-
+from runtime import serve
+from runtime.cli_args import add_model_args, builtin_model, runtime_config
 
 def cmd_generate(args) -> int:
     from runtime import SamplingParams, SpecRuntime
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
-    rt = SpecRuntime(_config(args))
+    rt = SpecRuntime(runtime_config(args))
     try:
         t0 = time.perf_counter()
         pieces = []
@@ -75,8 +39,8 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from runtime.bench import BenchSettings, format_table, run_bench, write_outputs
 
-    target = args.target or _builtin("tiny-target")
-    draft = args.draft or (_builtin("tiny-draft") if args.target is None else None)
+    target = args.target or builtin_model("tiny-target")
+    draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
     if target is None or draft is None:
         raise SystemExit("bench needs --target and --draft (or the built-in pair under models/)")
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
@@ -102,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     g.add_argument("prompt")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -122,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench_out")
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (about a minute on a CPU)")
     b.set_defaults(func=cmd_bench)
+    serve.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

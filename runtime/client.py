@@ -34,8 +34,20 @@ class SpecRuntime:
             opts["lifetime"] = "detached"
         self._driver = RemoteDriver.options(**opts).remote(config)
         self._attached = False
-        self._info = ray.get(self._driver.info.remote())
         self._closed = False
+        try:
+            self._info = ray.get(self._driver.info.remote())
+        except Exception as e:
+            # The driver failed to start (bad model path, unplaceable workers, ...):
+            # release what was taken and say why, without Ray's wrapping.
+            ray.kill(self._driver)
+            if self._owns_ray:
+                ray_env.release()
+            self._closed = True
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError):
+                raise ValueError(str(cause)) from None
+            raise RuntimeError(f"specray driver failed to start: {cause}") from None
 
     @classmethod
     def connect(cls, name: str = "specray", namespace: str = "specray",

@@ -104,6 +104,8 @@ def ray_head():
     tmp = tempfile.mkdtemp(prefix="srh", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=tmp)
     env.pop("RAY_ADDRESS", None)
+    # Jobs run their entrypoint with the head's PATH: `specray` must be found there.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     log = open(os.path.join(tmp, "head.log"), "w")
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", f"--port={port}",

@@ -1,0 +1,343 @@
+"""``specray batch``: generate for every line of a JSONL file and write one JSON line per
+accepted input line, in input order.
+
+Input, one JSON object a line (blank lines are skipped)::
+
+    {"prompt": "text" | [token ids], "id": <anything>, <any SamplingParams field>: ...}
+
+Output, one line per accepted input line::
+
+    {"line": N, "id": ..., "prompt_token_ids": [...], "token_ids": [...], "text": "...",
+     "finish_reason": "stop" | "length", "num_draft_tokens": d, "num_accepted_tokens": a}
+
+A malformed line is reported on stderr as ``line N: <reason>``. Most reasons are found
+here (JSON, fields, SamplingParams values); a token id outside the vocabulary, a prompt
+that fills ``max_model_len`` or a string prompt without a tokenizer are found by the
+driver, which refuses a whole call naming its first bad request (``request i: ...``): that
+request's line is dropped and the rest of its chunk resubmitted. ``--on-error fail`` checks
+every line against the driver's limits (``SpecRuntime.info``) before generating anything
+and exits with status 2 if any line is malformed.
+
+Runs unchanged inside ``ray job submit --working-dir . -- specray batch ...``: there
+``RAY_ADDRESS`` is set and the runtime joins that cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from runtime.cli_args import add_model_args, runtime_config
+from scheduler.sampling_params import SamplingParams
+
+PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+LINE_FIELDS = ("prompt", "id") + PARAM_FIELDS
+_REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
+_NO_ID = object()
+
+
+@dataclass
+class Item:
+    """One accepted input line."""
+
+    line: int                       # 1-based line number in the input file
+    prompt: str | list[int]
+    params: SamplingParams
+    id: object = _NO_ID
+
+
+# -- reading -------------------------------------------------------------------------
+def parse_line(text: str, line: int, defaults: dict) -> Item:
+    """One non-blank input line; ValueError names what is wrong with it."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {_json_type(obj)}")
+    unknown = [k for k in obj if k not in LINE_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(json.dumps, unknown))}; "
+                         f"allowed: {', '.join(LINE_FIELDS)}")
+    if "prompt" not in obj:
+        raise ValueError('missing "prompt"')
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be ints, got {_json_type(bad)}")
+    else:
+        raise ValueError(f"prompt must be a string or a list of token ids, got {_json_type(prompt)}")
+    params = SamplingParams(**{**defaults, **{k: v for k, v in obj.items() if k in PARAM_FIELDS}})
+    return Item(line, prompt, params, obj.get("id", _NO_ID))
+
+
+def read_input(path: str, defaults: dict) -> tuple[list[Item], list[tuple[int, str]]]:
+    """Accepted items and (line, reason) for the malformed lines. Lines are split on b"\\n"
+    only: JSON strings may hold U+2028 and friends, which str.splitlines would split on."""
+    items, errors = [], []
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append((line, f"not valid UTF-8 at byte {e.start}"))
+                continue
+            if not text.strip():
+                continue
+            try:
+                items.append(parse_line(text, line, defaults))
+            except ValueError as e:
+                errors.append((line, str(e)))
+    return items, errors
+
+
+def check_against(info: dict, item: Item) -> str | None:
+    """The driver's own checks, from ``SpecRuntime.info``, so ``--on-error fail`` can report
+    them before anything is generated. A string prompt's length is only known once the
+    driver has tokenized it."""
+    if isinstance(item.prompt, str):
+        if not info["has_tokenizer"]:
+            return "prompt is a string but the target has no tokenizer; pass token ids"
+    else:
+        vocab = info["vocab_size"]
+        bad = next((t for t in item.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        if len(item.prompt) >= info["max_model_len"]:
+            return (f"prompt has {len(item.prompt)} tokens; max_model_len {info['max_model_len']} "
+                    "leaves no room to generate")
+    bad = next((t for t in item.params.stop_token_ids if t >= info["vocab_size"]), None)
+    if bad is not None:
+        return f"stop_token_ids entry {bad} is outside the vocabulary"
+    return None
+
+
+# -- generating ----------------------------------------------------------------------
+def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
+    """Generate for ``items``. The runtime admits a call whole or not at all and names its
+    first bad request: drop that line, report it, and resubmit the rest."""
+    pending = list(items)
+    while pending:
+        try:
+            outs = rt.generate([it.prompt for it in pending], [it.params for it in pending])
+        except ValueError as e:
+            m = _REQUEST_ERROR.fullmatch(str(e))
+            if m is None or int(m[1]) >= len(pending):
+                raise
+            bad = pending.pop(int(m[1]))
+            reject(bad.line, m[2])
+            continue
+        return list(zip(pending, outs))
+    return []
+
+
+def output_record(item: Item, out) -> dict:
+    rec = {"line": item.line}
+    if item.id is not _NO_ID:
+        rec["id"] = item.id
+    rec.update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
+               finish_reason=out.finish_reason, num_draft_tokens=out.num_draft_tokens,
+               num_accepted_tokens=out.num_accepted_tokens)
+    return rec
+
+
+class Output:
+    """``-``: stdout, line by line. A path: a temporary file beside it, renamed over it on
+    ``commit()``, so a crash never leaves a half-written output."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if path == "-":
+            self.file, self.tmp = sys.stdout, None
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)     # what a plain open() would have made
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        if self.tmp is None:
+            self.file.flush()
+
+    def commit(self) -> None:
+        if self.tmp is None:
+            return
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+
+    def discard(self) -> None:
+        if self.tmp is not None:
+            self.file.close()
+            os.unlink(self.tmp)
+            self.tmp = None
+
+
+# -- the command ---------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, help="JSONL file, one request per line")
+    p.add_argument("--output", required=True,
+                   help="JSONL file to write (replaced atomically at the end), or - for stdout. Inside "
+                        "`ray job submit` a relative path lands in the job's working directory: use an "
+                        "absolute path or -")
+    add_model_args(p)
+    d = p.add_argument_group("sampling defaults", "for lines that do not set the field themselves")
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--sample-seed", type=int, default=None,
+                   help="seed for lines without one (default: each draws its own from --seed)")
+    d.add_argument("--stop-token-ids", type=_int_list, default=[], help="comma-separated token ids")
+    d.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--on-error", choices=["skip", "fail"], default="skip",
+                   help="skip: report malformed lines and go on; fail: report them all and exit 2 "
+                        "before generating")
+    p.add_argument("--chunk-size", type=int, default=64, help="requests per generate call")
+    p.add_argument("--chunks-in-flight", type=int, default=4, help="generate calls running at once")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("batch", help="generate for every line of a JSONL file")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from runtime import SpecRuntime
+
+    if args.chunk_size < 1 or args.chunks_in_flight < 1:
+        raise ValueError("--chunk-size and --chunks-in-flight must be >= 1")
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.sample_seed, stop_token_ids=args.stop_token_ids,
+                    ignore_eos=args.ignore_eos)
+    SamplingParams(**defaults)                       # bad flags fail here, naming the field
+    config = runtime_config(args)
+    try:
+        items, errors = read_input(args.input, defaults)
+    except OSError as e:
+        raise ValueError(f"cannot read --input: {e}") from None
+    rejected: list[tuple[int, str]] = []
+
+    def reject(line: int, reason: str) -> None:
+        rejected.append((line, reason))
+        tqdm.write(f"line {line}: {reason}", file=sys.stderr)
+
+    for line, reason in errors:
+        reject(line, reason)
+    try:
+        out = Output(args.output)
+    except OSError as e:
+        raise ValueError(f"cannot write --output: {e}") from None
+    rt = None
+    pool = None
+    t0 = time.perf_counter()
+    try:
+        if items:
+            rt = SpecRuntime(config)
+        t_start = time.perf_counter()
+        if args.on_error == "fail":
+            info = rt.info if rt is not None else {}
+            for item in items:
+                reason = check_against(info, item)
+                if reason:
+                    reject(item.line, reason)
+            if rejected:
+                print(f"specray batch: {len(rejected)} malformed line(s); nothing generated (--on-error fail)",
+                      file=sys.stderr)
+                out.discard()
+                return 2
+        chunks = [items[i:i + args.chunk_size] for i in range(0, len(items), args.chunk_size)]
+        bar = tqdm(total=len(items), unit="req", file=sys.stderr, disable=args.no_progress or not items,
+                   dynamic_ncols=True)
+        pool = ThreadPoolExecutor(args.chunks_in_flight, thread_name_prefix="specray-batch")
+        todo, running = iter(chunks), deque()
+        for chunk in todo:
+            running.append((chunk, pool.submit(generate_chunk, rt, chunk, reject)))
+            if len(running) == args.chunks_in_flight:
+                break
+        done = tokens = 0
+        while running:
+            chunk, future = running.popleft()
+            for item, o in future.result():      # in input order: chunks finish out of order
+                out.write(output_record(item, o))
+                done += 1
+                tokens += len(o.token_ids)
+            nxt = next(todo, None)
+            if nxt is not None:
+                running.append((nxt, pool.submit(generate_chunk, rt, nxt, reject)))
+            bar.update(len(chunk))
+            bar.set_postfix(tokens=tokens, refresh=False)
+        bar.close()
+        if args.on_error == "fail" and rejected:    # a tokenized string prompt was too long
+            print(f"specray batch: {len(rejected)} malformed line(s); output not written (--on-error fail)",
+                  file=sys.stderr)
+            out.discard()
+            return 2
+        wall = time.perf_counter() - t_start
+        m = rt.metrics() if rt is not None else {}
+        out.commit()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        out.discard()
+        if rt is not None:
+            rt.shutdown()
+    rate = m.get("acceptance_rate")
+    print(f"specray batch: {done} done, {len(rejected)} skipped, {tokens} tokens in {wall:.2f}s "
+          f"({tokens / wall if wall > 0 else 0.0:.1f} tokens/s; startup {t_start - t0:.1f}s), "
+          f"acceptance_rate={'n/a' if rate is None else f'{rate:.3f}'}, "
+          f"mean_accepted_length={m.get('mean_accepted_length', 0.0):.2f}", file=sys.stderr)
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _json_type(value) -> str:
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                    (dict, "object"), (type(None), "null")):
+        if isinstance(value, t):
+            return name
+    return type(value).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m runtime.batch ...``: the same as ``specray batch ...``."""
+    parser = argparse.ArgumentParser(prog="specray batch", description="Generate for every line of a JSONL file")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"specray: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Command-line flags shared by ``specray generate``, ``serve``, ``batch`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+BUILTIN_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def builtin_model(name: str) -> str | None:
+    """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), if present."""
+    path = BUILTIN_MODELS / name
+    return str(path) if (path / "config.json").exists() else None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model dir or hub id (default: the built-in pair)")
+    p.add_argument("--draft", default=None, help="draft model dir or hub id (default: the built-in pair)")
+    p.add_argument("--proposer", default="draft", choices=["draft", "ngram", "none"])
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-draft-workers", type=int, default=1)
+    p.add_argument("--num-target-workers", type=int, default=1)
+    p.add_argument("--draft-resources", type=json.loads, default={},
+                   help='JSON, e.g. \'{"specray_draft": 1}\'')
+    p.add_argument("--target-resources", type=json.loads, default={},
+                   help='JSON, e.g. \'{"specray_target": 1}\'')
+    p.add_argument("--placement-strategy", default="SPREAD", choices=["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"])
+    p.add_argument("--ray-address", default=None,
+                   help="cluster to join (default: this process's Ray, else RAY_ADDRESS, else a private local Ray)")
+
+
+def runtime_config(args, **extra):
+    """A RuntimeConfig from ``add_model_args`` flags; the built-in pair fills in models."""
+    from runtime.config import RuntimeConfig
+
+    target = args.target or builtin_model("tiny-target")
+    if target is None:
+        raise ValueError("no --target given and the built-in pair is missing under models/")
+    draft = None
+    if args.proposer == "draft":
+        draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
+        if draft is None:
+            raise ValueError("--proposer draft needs --draft")
+    return RuntimeConfig(
+        target=target, draft=draft, proposer=args.proposer, num_speculative_tokens=args.num_speculative_tokens,
+        device=args.device, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
+        num_draft_workers=args.num_draft_workers, num_target_workers=args.num_target_workers,
+        draft_resources=args.draft_resources, target_resources=args.target_resources,
+        placement_strategy=args.placement_strategy, ray_address=args.ray_address, **extra)

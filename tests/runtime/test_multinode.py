@@ -1,0 +1,84 @@
+"""Draft and target pools on a multi-node cluster (ray.cluster_utils.Cluster): placement
+on the right nodes, proposals merged across nodes, data-parallel targets, same output."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
+
+from conftest import hf_greedy
+from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()   # this module needs its own cluster; the next ray_session user restarts the local one
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024 * 1024})
+    nodes = {"draft": [], "target": []}
+    for kind, amount in (("draft", 1), ("draft", 1), ("target", 2)):
+        node = c.add_node(num_cpus=0, resources={f"specray_{kind}": amount}, object_store_memory=80 * 1024 * 1024)
+        nodes[kind].append(node.node_id)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def prompts():
+    # Long prompts leave less room than k below MAX_LEN: merged batches mix proposal lengths.
+    return [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in (2, 5, 9, 14, 20, 30, 38, 41)]
+
+
+def placement(cls: str) -> list[str]:
+    return [a.node_id for a in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")])]
+
+
+def generate(cfg: RuntimeConfig):
+    rt = SpecRuntime(cfg)
+    try:
+        outs = rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))
+        return outs, rt.metrics(), placement("DraftWorker"), placement("TargetWorker")
+    finally:
+        rt.shutdown()
+
+
+def config(t, d, **kw):
+    return RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32",
+                         max_model_len=MAX_LEN, draft_resources={"specray_draft": 1},
+                         target_resources={"specray_target": 1}, **kw)
+
+
+def test_two_draft_nodes_and_a_target_node(cluster, llama_pair):
+    t, d = llama_pair
+    outs, m, drafts, targets = generate(config(t, d, num_draft_workers=2))
+    assert sorted(drafts) == sorted(cluster["draft"])          # one per draft node
+    assert targets == cluster["target"]
+    expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
+    assert [o.token_ids for o in outs] == expected
+    assert m["num_draft_workers"] == 2 and m["num_draft_tokens"] > 0
+    # Sequences near max_model_len proposed fewer than k tokens or none.
+    assert outs[-1].num_draft_tokens < 4 * len(outs[-1].token_ids)
+
+
+def test_two_target_workers_match_one(cluster, llama_pair):
+    t, d = llama_pair
+    one, _, _, _ = generate(config(t, d))
+    two, m, _, targets = generate(config(t, d, num_target_workers=2, num_draft_workers=2))
+    assert len(targets) == 2 and set(targets) == set(cluster["target"])
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert m["num_target_workers"] == 2
+
+
+def test_unplaceable_workers_fail_clearly(cluster, llama_pair):
+    t, d = llama_pair
+    cfg = config(t, d, num_draft_workers=3, placement_strategy="STRICT_SPREAD", placement_timeout_s=3)
+    with pytest.raises(Exception, match="cannot place"):
+        SpecRuntime(cfg)

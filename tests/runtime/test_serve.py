@@ -1,0 +1,52 @@
+"""`specray serve` in one process, `SpecRuntime.connect` from another, against a real
+head started by the test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, hf_greedy
+
+CLIENT = """
+import json, sys
+from runtime import SpecRuntime, SamplingParams
+rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", address=sys.argv[2])
+outs = rt.generate([[1, 2, 3, 4], [9, 8, 7]], SamplingParams(max_tokens=12, temperature=0.0))
+streamed = [d.token_ids for d in rt.stream([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))]
+print(json.dumps({"tokens": [o.token_ids for o in outs], "streamed": streamed, "metrics": rt.metrics()}))
+rt.shutdown()   # an attached handle detaches: the driver keeps serving
+"""
+
+
+def cli(args, env, timeout=180):
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_serve_then_connect_from_another_process(ray_head, llama_pair):
+    address, _, env = ray_head
+    t, d = llama_pair
+    start = cli(["serve", "--target", t, "--draft", d, "-k", "3", "--block-size", "4", "--device", "cpu",
+                 "--dtype", "float32", "--name", "srv", "--namespace", "specray-test", "--ray-address", address], env)
+    assert start.returncode == 0, start.stderr[-3000:]
+    assert "attach with SpecRuntime.connect" in start.stdout
+    try:
+        again = cli(["serve", "--target", t, "--proposer", "ngram", "--name", "srv", "--namespace", "specray-test",
+                     "--ray-address", address], env)
+        assert again.returncode == 1 and "already running" in again.stderr
+        for _ in range(2):   # a detached client leaves the driver serving the next one
+            c = subprocess.run([sys.executable, "-c", CLIENT, "srv", address], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=180)
+            assert c.returncode == 0, c.stderr[-3000:]
+            got = json.loads(c.stdout.strip().splitlines()[-1])
+            assert got["tokens"] == hf_greedy(t, [[1, 2, 3, 4], [9, 8, 7]], 12)
+            assert sum(got["streamed"], []) == hf_greedy(t, [[5, 6, 7]], 6)[0]
+            assert got["metrics"]["num_draft_tokens"] > 0
+    finally:
+        stop = cli(["serve", "--stop", "--name", "srv", "--namespace", "specray-test", "--ray-address", address], env)
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    missing = subprocess.run([sys.executable, "-c", CLIENT, "srv", address], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "no specray driver named 'srv'" in missing.stderr
