@@ -134,6 +134,11 @@ class DriverCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} "
                              "leaves no room to generate")
+        largest = max(self.scheduler.target_pools, key=lambda p: p.num_blocks)
+        need = largest.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need > largest.num_blocks:
+            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks, but a target worker holds only "
+                             f"{largest.num_blocks}: lower max_tokens or raise num_kv_blocks")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary")

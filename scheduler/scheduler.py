@@ -140,8 +140,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        # Oldest first among waiting, so a preempted sequence keeps its priority.
-        self.waiting.appendleft(seq)
+        # Preempted sequences wait at the front, oldest first, so each keeps its priority.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].num_preemptions and self.waiting[i].seq_id < seq.seq_id:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def _release(self, seq: Sequence) -> None:
         # Workers ignore frees of sequences they never saw, so telling them is always safe.
@@ -189,7 +192,9 @@ class Scheduler:
         for s in self.running:
             t_load[s.target_rank] += s.num_tokens
             d_load[s.draft_rank] += s.num_tokens
-        while self.waiting and not preempted and len(batch) < self.config.max_num_seqs:
+        # No admissions in a step that had to preempt (that would thrash), unless nothing
+        # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
+        while self.waiting and not (preempted and batch) and len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cost = seq.num_tokens - seq.target_computed
             if batch and cost > budget:
@@ -259,7 +264,8 @@ class Scheduler:
         sequence of the step. Finished sequences are released."""
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
             res = results[r] if r < len(results) else None
-            if seqs and (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]):
+            if seqs and (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]
+                         or len(res.num_emitted) != len(seqs) or sum(res.num_emitted) != len(res.token_ids)):
                 raise ValueError(f"StepResult of target worker {r} does not match its batch")
             if seqs:
                 for i, (seq, n_emit) in enumerate(zip(seqs, res.num_emitted)):

@@ -147,3 +147,22 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                              do_sample=False, pad_token_id=0, eos_token_id=None)
         outs.append(out[0, len(p):].tolist())
     return outs
+
+
+def run_local(cfg, prompts, params):
+    """Serve one batch on an in-process driver (the whole path but Ray); checks the pools
+    are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
+    from runtime.driver import DriverCore
+
+    drv = DriverCore(cfg, backend="local")
+    try:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reply = drv.submit(prompts, plist)
+        assert reply.error is None, reply.error
+        outs = drv.wait(reply.request_ids, timeout=600)
+        assert outs is not None
+        drv.scheduler.check_integrity()
+        assert all(p.num_used_blocks == 0 for p in drv.scheduler.target_pools + drv.scheduler.draft_pools)
+        return outs, drv.metrics()
+    finally:
+        drv.shutdown()

@@ -11,20 +11,11 @@ from __future__ import annotations
 import torch
 
 from scheduler.messages import Proposals, StepPlan
-from workers.model_runner import ModelRunner, WorkerConfig
+from workers.model_runner import ModelWorker
 from workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 
-class DraftWorker:
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.runner = ModelRunner(cfg)
-
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
-
+class DraftWorker(ModelWorker):
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
         """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,

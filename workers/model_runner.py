@@ -53,3 +53,16 @@ class ModelRunner:
 
     def to_device(self, values: list[int], dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+class ModelWorker:
+    """What draft and target workers share: a model runner and what the driver asks of it."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.runner = ModelRunner(cfg)
+
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size

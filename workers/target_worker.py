@@ -6,21 +6,12 @@ from __future__ import annotations
 import torch
 
 from scheduler.messages import StepPlan, StepResult
-from workers.model_runner import ModelRunner, WorkerConfig
+from workers.model_runner import ModelWorker
 from workers.rejection_sampler import greedy_verify, random_verify
 from workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
 
 
-class TargetWorker:
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.runner = ModelRunner(cfg)
-
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
-
+class TargetWorker(ModelWorker):
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
         """``draft_probs``: the proposing shards' ``[m, k, V]`` tensors in shard order

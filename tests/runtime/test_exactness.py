@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, run_local
 from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
 
 PROMPT_LENS = (1, 3, 5, 7, 9, 12, 16, 23, 31)
@@ -24,18 +23,6 @@ def pair_and_reference(request):
     t, d = request.getfixturevalue(f"{request.param}_pair")
     return t, d, hf_greedy(t, prompts(), MAX_NEW)
 
-
-def run_local(cfg: RuntimeConfig, ps, params) -> tuple[list, dict]:
-    drv = DriverCore(cfg, backend="local")
-    try:
-        reply = drv.submit(ps, params if isinstance(params, list) else [params] * len(ps))
-        assert reply.error is None, reply.error
-        outs = drv.wait(reply.request_ids, timeout=300)
-        assert outs is not None
-        drv.scheduler.check_integrity()
-        return outs, drv.metrics()
-    finally:
-        drv.shutdown()
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

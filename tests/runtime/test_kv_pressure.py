@@ -6,22 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import run_local
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
-
-
-def run(cfg, prompts, params):
-    drv = DriverCore(cfg, backend="local")
-    try:
-        reply = drv.submit(prompts, params)
-        assert reply.error is None, reply.error
-        outs = drv.wait(reply.request_ids, timeout=300)
-        drv.scheduler.check_integrity()
-        assert all(p.num_used_blocks == 0 for p in drv.scheduler.target_pools + drv.scheduler.draft_pools)
-        return outs, drv.metrics()
-    finally:
-        drv.shutdown()
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
@@ -32,8 +20,8 @@ def test_preemption_keeps_greedy_output(llama_pair, proposer):
     params = [SamplingParams(max_tokens=24, temperature=0.0)] * 10
     common = dict(target=t, draft=d if proposer == "draft" else None, proposer=proposer,
                   num_speculative_tokens=3, block_size=4, device="cpu", dtype="float32")
-    ample, m_ample = run(RuntimeConfig(**common), prompts, params)
-    tight, m_tight = run(RuntimeConfig(**common, num_kv_blocks=24), prompts, params)
+    ample, m_ample = run_local(RuntimeConfig(**common), prompts, params)
+    tight, m_tight = run_local(RuntimeConfig(**common, num_kv_blocks=24), prompts, params)
     assert m_ample["num_preemptions"] == 0
     assert m_tight["num_preemptions"] > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
@@ -46,7 +34,7 @@ def test_sequences_near_max_model_len_stop_with_length(llama_pair):
     prompts = [[5] * 37, [6] * 30, [7] * 10]
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=5, block_size=4, device="cpu", dtype="float32",
                         max_model_len=max_len)
-    outs, m = run(cfg, prompts, [SamplingParams(max_tokens=100, temperature=0.0)] * 3)
+    outs, m = run_local(cfg, prompts, [SamplingParams(max_tokens=100, temperature=0.0)] * 3)
     for p, o in zip(prompts, outs):
         assert len(p) + len(o.token_ids) == max_len
         assert o.finish_reason == "length"
@@ -62,7 +50,7 @@ def test_draft_shorter_window_turns_speculation_off(tmp_path):
     t, d = make_pair(tmp_path, "llama", max_len=128, draft_max_len=24)
     prompt = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32")
-    outs, m = run(cfg, [prompt], [SamplingParams(max_tokens=30, temperature=0.0)])
+    outs, m = run_local(cfg, [prompt], [SamplingParams(max_tokens=30, temperature=0.0)])
     assert outs[0].token_ids == hf_greedy(t, [prompt], 30)[0]
     # Only positions below 24 could be proposed.
     assert 0 < outs[0].num_draft_tokens <= 24 - 16
@@ -78,5 +66,19 @@ def test_prompt_filling_max_model_len_is_rejected(llama_pair):
         reply = drv.submit([[1] * 15], [SamplingParams(max_tokens=4, temperature=0.0)])
         (o,) = drv.wait(reply.request_ids, timeout=60)
         assert len(o.token_ids) == 1 and o.finish_reason == "length"
+    finally:
+        drv.shutdown()
+
+
+def test_request_larger_than_any_pool_is_refused_at_submit(llama_pair):
+    t, d = llama_pair
+    drv = DriverCore(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
+                                   num_kv_blocks=8), backend="local")
+    try:
+        reply = drv.submit([[1, 2, 3], [1] * 20], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=20)])
+        assert reply.error and reply.error.startswith("request 1:") and "max_tokens" in reply.error
+        reply = drv.submit([[1] * 20], [SamplingParams(max_tokens=12, temperature=0.0)])   # 32 slots = 8 blocks
+        (o,) = drv.wait(reply.request_ids, timeout=60)
+        assert len(o.token_ids) == 12
     finally:
         drv.shutdown()

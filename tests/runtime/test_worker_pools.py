@@ -6,22 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, run_local
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
 
-
-def run(cfg, prompts, params):
-    drv = DriverCore(cfg, backend="local")
-    try:
-        reply = drv.submit(prompts, params)
-        assert reply.error is None, reply.error
-        outs = drv.wait(reply.request_ids, timeout=300)
-        drv.scheduler.check_integrity()
-        return outs, drv.metrics()
-    finally:
-        drv.shutdown()
 
 
 @pytest.mark.parametrize("n_draft,n_target", [(2, 1), (1, 2), (3, 2)])
@@ -32,7 +21,7 @@ def test_pools_give_the_same_greedy_output(llama_pair, n_draft, n_target):
     params = [SamplingParams(max_tokens=16 + i, temperature=0.0) for i in range(9)]
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu", dtype="float32",
                         num_draft_workers=n_draft, num_target_workers=n_target, max_model_len=60)
-    outs, m = run(cfg, prompts, params)
+    outs, m = run_local(cfg, prompts, params)
     expected = hf_greedy(t, prompts, 16 + 8)
     assert [o.token_ids for o in outs] == [e[:16 + i] for i, e in enumerate(expected)]
     assert m["num_draft_workers"] == n_draft and m["num_target_workers"] == n_target

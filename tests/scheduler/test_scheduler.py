@@ -1,12 +1,20 @@
-"""Scheduler, driven by a pure-Python stand-in for the draft and target workers.
+"""Scheduler, driven by a pure-Python stand-in for N target and M draft workers.
 
 The "model" is a deterministic function of the token history; the draft proposes the same
-function but is wrong at positions chosen by ``draft_wrong``. Each fake worker keeps what a
-real worker keeps -- per sequence, the tokens in its KV cache and a BlockManager resized the
-way ``workers/kv_cache.py`` resizes it -- and asserts the ``num_computed`` invariant on every
-plan: ``num_computed`` is exactly the length of the cached prefix that matches the
-sequence's true tokens (nothing stale is trusted, nothing valid is recomputed), and the fed
-tokens complete it to exactly the sequence's current length.
+function but is wrong at positions chosen by ``draft_wrong``. Each fake worker (one per
+target rank and one per draft rank) keeps what a real worker keeps -- per sequence, the
+tokens in its KV cache and a BlockManager resized the way ``workers/kv_cache.py`` resizes
+it -- and asserts the ``num_computed`` invariant on every plan: ``num_computed`` is exactly
+the length of the cached prefix that matches the sequence's true tokens (nothing stale is
+trusted, nothing valid is recomputed), and the fed tokens complete it to exactly the
+sequence's current length.
+
+On every step the engine also checks what the driver promises the workers: each sequence
+sits on one target and one draft rank and keeps them while it runs; each rank's plan holds
+exactly its own sequences and exactly the frees of the sequences it held that finished or
+were preempted since its last plan (a plan may carry only frees); preemption on a target
+rank takes the newest sequences of that rank; and once the workers applied their plans
+every rank's pool equals the driver's mirror of it.
 """
 
 from __future__ import annotations
@@ -79,10 +87,14 @@ class FakeWorker:
         self.name = name
         self.cache: dict[int, list[int]] = {}
         self.blocks = BlockManager(num_blocks, block_size)
+        self.num_plans = 0          # plans received
+        self.num_seq_plans = 0      # plans received that carried sequences
 
     def apply(self, plan: StepPlan, truth: dict[int, list[int]]) -> list[list[int]]:
         """Frees, then per sequence: check and truncate the cache to num_computed, feed the
         new tokens, resize the block mirror. Returns each sequence's history after feeding."""
+        self.num_plans += 1
+        self.num_seq_plans += bool(plan.seq_ids)
         for sid in plan.free_seq_ids:
             self.cache.pop(sid, None)
             self.blocks.free(sid)
@@ -90,6 +102,7 @@ class FakeWorker:
         pos = 0
         for i, sid in enumerate(plan.seq_ids):
             c, m, slots = plan.num_computed[i], plan.num_new[i], plan.num_slots[i]
+            assert sid in truth, f"{self.name}: seq {sid} is not part of this step"
             cache = self.cache.setdefault(sid, [])
             assert c <= len(cache), f"{self.name}: seq {sid} computed {c} > cached {len(cache)}"
             assert cache[:c] == truth[sid][:c], f"{self.name}: seq {sid} cached prefix is stale"
@@ -118,30 +131,64 @@ class Counts:
 
 
 @dataclass
+class Preemption:
+    step_id: int
+    seq_id: int
+    target_rank: int
+    # running sequences of other target ranks that were newer than the victim (and kept running)
+    newer_elsewhere: list[int]
+
+
+@dataclass
 class Engine:
-    """schedule -> draft -> merge -> verify -> update, with the fake workers."""
+    """schedule -> draft (every draft rank) -> merge -> verify (every target rank) -> update,
+    with the fake workers."""
     sched: Scheduler
-    target: FakeWorker
-    draft: FakeWorker | None
+    targets: list[FakeWorker]
+    drafts: list[FakeWorker]
     draft_wrong: Callable[[int, int], bool] = default_wrong
-    num_shards: int = 2
+    num_shards: int = 2          # shards per draft rank
+    probs: bool = False          # shards carry draft probabilities (draft_rows are then checked)
     # how many of its planned k_i tokens the proposer actually proposes (n-gram style)
     shorten: Callable[[int, int, int], int] | None = None
     counts: Counts = field(default_factory=Counts)
     finished: dict[int, Sequence] = field(default_factory=dict)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     steps: list[ScheduledStep] = field(default_factory=list)     # kept when keep_steps
-    results: list[StepResult] = field(default_factory=list)
+    results: list[list[StepResult | None]] = field(default_factory=list)
     on_step: Callable[[ScheduledStep], None] | None = None
     on_plan: Callable[[ScheduledStep], None] | None = None
     keep_steps: bool = False
+    # admissions into ample pools go to the least loaded rank by tokens, exactly
+    check_balance: bool = False
+    # bookkeeping of the checks
+    ranks: dict[int, tuple[int, int]] = field(default_factory=dict)       # seq -> (target, draft) while running
+    placements: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, target, draft) per admission
+    preemptions: list[Preemption] = field(default_factory=list)
+    _frees_t: list[set[int]] = field(default_factory=list)               # frees owed to each rank
+    _frees_d: list[set[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert len(self.targets) == len(self.sched.target_pools)
+        self._frees_t = [set() for _ in self.sched.target_pools]
+        self._frees_d = [set() for _ in range(self.sched.num_draft_ranks)]
+
+    @property
+    def target(self) -> FakeWorker:          # the single-rank tests' worker
+        assert len(self.targets) == 1
+        return self.targets[0]
+
+    @property
+    def draft(self) -> FakeWorker:
+        assert len(self.drafts) == 1
+        return self.drafts[0]
 
     def truth(self, step: ScheduledStep) -> dict[int, list[int]]:
         return {s.seq_id: list(s.tokens) for s in step.seqs}
 
     def step(self) -> bool:
         sched = self.sched
-        before_running = list(sched.running)
+        before_running = [(s, s.target_rank, s.draft_rank, s.num_preemptions) for s in sched.running]
         before_waiting = {s.seq_id for s in sched.waiting}
         step = sched.schedule()
         sched.check_integrity()
@@ -151,136 +198,259 @@ class Engine:
         if self.on_plan is not None:
             self.on_plan(step)
         truth = self.truth(step)
-        if step.draft is not None:
+        if any(p is not None for p in step.draft_plans):
             self.propose(step, truth)
-        result = self.verify(step, truth)
+        results = self.verify(step, truth)
         self.check_mirrors(step)
-        out = sched.update(step, result)
+        out = sched.update(step, results)
         sched.check_integrity()
+        assert [s for s, _ in out] == [s for seqs in step.target_seqs for s in seqs]
         for seq, appended in out:
             self.outputs.setdefault(seq.seq_id, []).extend(appended)
             assert self.outputs[seq.seq_id] == seq.output_tokens
             if seq.finished:
                 assert seq.seq_id not in self.finished, "a request finished twice"
                 self.finished[seq.seq_id] = seq
+                del self.ranks[seq.seq_id]
+                # its workers are told with their next plan
+                self._frees_t[seq.target_rank].add(seq.seq_id)
+                if self._frees_d:
+                    self._frees_d[seq.draft_rank].add(seq.seq_id)
+            else:
+                assert self.ranks[seq.seq_id] == (seq.target_rank, seq.draft_rank)
         if self.on_step is not None:
             self.on_step(step)
         if self.keep_steps:
             self.steps.append(step)
-            self.results.append(result)
+            self.results.append(results)
         return True
 
-    def check_plan_shape(self, step: ScheduledStep, before_running: list[Sequence], before_waiting: set[int]) -> None:
-        t = step.target
+    def check_plan_shape(self, step: ScheduledStep, before_running: list[tuple[Sequence, int, int, int]],
+                         before_waiting: set[int]) -> None:
+        sched = self.sched
+        T, D = len(sched.target_pools), sched.num_draft_ranks
+        assert len(step.target_plans) == len(step.target_seqs) == T
+        assert len(step.draft_plans) == len(step.draft_seqs) == D
         ids = [s.seq_id for s in step.seqs]
-        assert t.seq_ids == ids
-        kept = [s for s in step.seqs if s.seq_id not in before_waiting]
-        # running sequences keep their order; the ones left out are the newest (preempted)
-        assert kept == before_running[:len(kept)]
-        for s in before_running[len(kept):]:
-            assert s.status is SequenceStatus.WAITING and s.target_computed == 0 and s.draft_computed == 0
-            assert not self.sched.target_blocks.has(s.seq_id)
-        for i, s in enumerate(step.seqs):
+        assert len(ids) == len(set(ids))
+        # a running sequence is kept (same place, same ranks) or preempted (its KV dropped
+        # everywhere, its preemption counted); a preempted one may only come back as a newcomer
+        preempted = [(s, t, d) for s, t, d, np in before_running if s.num_preemptions > np]
+        for s, t, d, np in before_running:
+            assert s.num_preemptions in (np, np + 1)
+            assert s.num_preemptions > np or s in step.seqs, f"seq {s.seq_id} left the batch unpreempted"
+        kept_ids = {s.seq_id for s, _, _, np in before_running if s.num_preemptions == np}
+        kept = [s for s in step.seqs if s.seq_id in kept_ids]
+        admitted = [s for s in step.seqs if s.seq_id not in kept_ids]
+        assert {s.seq_id for s in admitted} <= before_waiting | {s.seq_id for s, _, _ in preempted}
+        assert step.seqs == kept + admitted                  # newcomers come last
+        # running sequences keep their order; on each target rank the ones left out are that
+        # rank's newest (preempted by an older sequence of the same rank, or by themselves)
+        assert kept == [s for s, _, _, _ in before_running if s.seq_id in kept_ids]
+        for r in range(T):
+            on_rank = [s for s, t, _, _ in before_running if t == r]
+            kept_r = [s for s in on_rank if s.seq_id in kept_ids]
+            assert kept_r == on_rank[:len(kept_r)], f"target rank {r} preempted a sequence older than a kept one"
+        for s, t, d in preempted:
+            if s not in admitted:
+                assert s.status is SequenceStatus.WAITING and s.target_computed == 0 and s.draft_computed == 0
+                assert not any(p.has(s.seq_id) for p in sched.target_pools + sched.draft_pools)
+            assert s.seq_id not in self.finished
+            order = [x for x, _, _, _ in before_running]
+            newer = [x.seq_id for x, xt, _, _ in before_running[order.index(s) + 1:]
+                     if xt != t and x.seq_id in kept_ids]
+            self.preemptions.append(Preemption(step.step_id, s.seq_id, t, newer))
+            del self.ranks[s.seq_id]
+            self._frees_t[t].add(s.seq_id)
+            if self._frees_d:
+                self._frees_d[d].add(s.seq_id)
+        if preempted and kept:
+            assert not admitted, "a step that had to preempt admits nobody"
+
+        # ranks: sticky while running, in range, recorded at admission
+        for s, t, d, _ in before_running:
+            assert (s.target_rank, s.draft_rank) == (t, d) or s.seq_id not in kept_ids, \
+                f"running seq {s.seq_id} moved"
+        for s in kept:
+            assert self.ranks[s.seq_id] == (s.target_rank, s.draft_rank), f"running seq {s.seq_id} moved"
+        for s in admitted:
+            assert s.seq_id not in self.ranks
+            assert 0 <= s.target_rank < T and 0 <= s.draft_rank < max(D, 1)
+            self.ranks[s.seq_id] = (s.target_rank, s.draft_rank)
+            self.placements.append((s.seq_id, s.target_rank, s.draft_rank))
+        assert set(self.ranks) == {s.seq_id for s in sched.running} == set(ids)
+        if self.check_balance:
+            t_load, d_load = [0] * T, [0] * max(D, 1)
+            for s in kept:
+                t_load[s.target_rank] += s.num_tokens
+                d_load[s.draft_rank] += s.num_tokens
+            for s in admitted:
+                assert t_load[s.target_rank] == min(t_load), (s.seq_id, t_load)
+                assert d_load[s.draft_rank] == min(d_load), (s.seq_id, d_load)
+                t_load[s.target_rank] += s.num_tokens
+                d_load[s.draft_rank] += s.num_tokens
+
+        for s in step.seqs:
             n = s.num_tokens
             assert s.seq_id not in self.finished and s.status is SequenceStatus.RUNNING
-            assert t.num_computed[i] == s.target_computed
-            assert t.num_new[i] == n - s.target_computed >= 1
-            assert t.num_slots[i] == n + s.step_k
-            assert t.proposal_lens[i] == s.step_k
-        if step.draft is None:
-            assert all(s.step_k == 0 for s in step.seqs)
-        else:
-            d = step.draft
-            assert d.k == t.k
-            assert step.draft_seqs == [s for s in step.seqs if s.step_k > 0]
-            assert d.seq_ids == [s.seq_id for s in step.draft_seqs]
-            for i, s in enumerate(step.draft_seqs):
-                assert d.num_computed[i] == s.draft_computed
-                assert d.num_slots[i] == s.num_tokens + s.step_k - 1
-                assert d.proposal_lens[i] == s.step_k
+            assert s.step_len == n
+            if not D:
+                assert s.step_k == 0
+        # target plans: exactly the rank's sequences, in step order, and exactly its frees
+        for r in range(T):
+            seqs = step.target_seqs[r]
+            assert seqs == [s for s in step.seqs if s.target_rank == r]
+            plan = step.target_plans[r]
+            frees = self._frees_t[r]
+            if not seqs and not frees:
+                assert plan is None, f"target rank {r} got a plan with nothing in it"
+                continue
+            assert plan is not None and plan.step_id == step.step_id and plan.k == sched.k
+            assert sorted(plan.free_seq_ids) == sorted(frees), f"target rank {r} frees"
+            frees.clear()
+            assert plan.seq_ids == [s.seq_id for s in seqs]
+            for i, s in enumerate(seqs):
+                n = s.num_tokens
+                assert plan.num_computed[i] == s.target_computed
+                assert plan.num_new[i] == n - s.target_computed >= 1
+                assert plan.num_slots[i] == n + s.step_k
+                assert plan.proposal_lens[i] == s.step_k
+        # draft plans: the rank's sequences that speculate this step, and its frees
+        for d in range(D):
+            seqs = step.draft_seqs[d]
+            assert seqs == [s for s in step.seqs if s.step_k > 0 and s.draft_rank == d]
+            plan = step.draft_plans[d]
+            frees = self._frees_d[d]
+            if not seqs and not frees:
+                assert plan is None, f"draft rank {d} got a plan with nothing in it"
+                continue
+            assert plan is not None and plan.step_id == step.step_id and plan.k == sched.k
+            assert sorted(plan.free_seq_ids) == sorted(frees), f"draft rank {d} frees"
+            frees.clear()
+            assert plan.seq_ids == [s.seq_id for s in seqs]
+            for i, s in enumerate(seqs):
+                assert plan.num_computed[i] == s.draft_computed
+                assert plan.num_slots[i] == s.num_tokens + s.step_k - 1
+                assert plan.proposal_lens[i] == s.step_k
 
     def check_mirrors(self, step: ScheduledStep) -> None:
-        """Once a worker has applied the step's plan it has seen exactly the operations the
-        driver's mirror has: the same blocks per sequence and the same free count."""
+        """Once every worker has applied the step's plan it has seen exactly the operations
+        the driver's mirror of its pool has: the same blocks per sequence and the same free
+        count. A worker holds only sequences that run on its rank."""
         sched = self.sched
-        running = {s.seq_id for s in sched.running}
-        pairs = [(sched.target_blocks, self.target)]
-        if sched.draft_blocks is not None:
-            pairs.append((sched.draft_blocks, self.draft))
-        for mirror, worker in pairs:
-            assert set(mirror._tables) <= running, "a sequence that is not running holds blocks"
+        pairs = [(mirror, worker, {s.seq_id for s in sched.running if s.target_rank == r})
+                 for r, (mirror, worker) in enumerate(zip(sched.target_pools, self.targets))]
+        if sched.num_draft_ranks:
+            on_draft = [{s.seq_id for s in sched.running if s.draft_rank == d} for d in range(sched.num_draft_ranks)]
+            for d, mirror in enumerate(sched.draft_pools):
+                pairs.append((mirror, self.drafts[d], on_draft[d]))
+            for d, worker in enumerate(self.drafts[:sched.num_draft_ranks]):
+                assert set(worker.cache) <= on_draft[d], f"{worker.name} holds another rank's sequence"
+        for mirror, worker, owners in pairs:
+            assert set(mirror._tables) <= owners, "a sequence holds blocks on a rank it does not run on"
+            assert set(worker.cache) <= owners, f"{worker.name} holds a sequence it was told to free"
             assert mirror.num_free_blocks == worker.blocks.num_free_blocks
             for sid in set(mirror._tables) | set(worker.blocks._tables):
                 assert len(mirror.block_table(sid)) == len(worker.blocks.block_table(sid))
 
     def propose(self, step: ScheduledStep, truth: dict[int, list[int]]) -> None:
-        plan = roundtrip(step.draft)
-        k = plan.k
-        assert self.draft is not None or plan.num_seqs == 0
-        histories = self.draft.apply(plan, truth) if self.draft is not None else []
-        rows = []
-        for i, sid in enumerate(plan.seq_ids):
-            k_i = plan.proposal_lens[i]
-            if self.shorten is not None:
-                k_i = self.shorten(sid, len(histories[i]), k_i)
-                assert 0 <= k_i <= plan.proposal_lens[i]
-            hist = histories[i]
-            props = []
-            for _ in range(k_i):
-                t = true_next(hist + props)
-                if self.draft_wrong(sid, len(hist) + len(props)):
-                    t = (t + 1) % V
-                props.append(t)
-            # the draft ran its first k_i - 1 proposals through the model: they are in its KV
-            self.draft.cache[sid].extend(props[:k_i - 1])
-            assert len(self.draft.cache[sid]) <= self.draft.blocks.num_slots(sid)
-            rows.append((sid, props))
-        if plan.num_seqs:
-            self.counts.draft_calls += 1
-        # several shards, in scrambled order
-        shards = []
-        for j in range(self.num_shards):
-            part = rows[j::self.num_shards]
-            toks = [t for _, p in part for t in p + [-1] * (k - len(p))]
-            shards.append(Proposals(step_id=plan.step_id, k=k, has_probs=False, seq_ids=[s for s, _ in part],
-                                    proposal_lens=[len(p) for _, p in part], token_ids=toks))
+        proposed: dict[int, list[int]] = {}
+        shards: list[Proposals] = []
+        for d, dplan in enumerate(step.draft_plans):
+            if dplan is None:
+                continue
+            plan = roundtrip(dplan)
+            k = plan.k
+            worker = self.drafts[d]
+            histories = worker.apply(plan, truth)
+            rows = []
+            for i, sid in enumerate(plan.seq_ids):
+                k_i = plan.proposal_lens[i]
+                if self.shorten is not None:
+                    k_i = self.shorten(sid, len(histories[i]), k_i)
+                    assert 0 <= k_i <= plan.proposal_lens[i]
+                hist = histories[i]
+                props = []
+                for _ in range(k_i):
+                    t = true_next(hist + props)
+                    if self.draft_wrong(sid, len(hist) + len(props)):
+                        t = (t + 1) % V
+                    props.append(t)
+                # the draft ran its first k_i - 1 proposals through the model: they are in its KV
+                worker.cache[sid].extend(props[:k_i - 1])
+                assert len(worker.cache[sid]) <= worker.blocks.num_slots(sid)
+                rows.append((sid, props))
+                proposed[sid] = props
+            if plan.num_seqs:
+                self.counts.draft_calls += 1
+            # several shards per draft rank
+            for j in range(self.num_shards):
+                part = rows[j::self.num_shards]
+                toks = [t for _, p in part for t in p + [-1] * (k - len(p))]
+                shards.append(Proposals(step_id=plan.step_id, k=k, has_probs=self.probs and j % 2 == 0,
+                                        seq_ids=[s for s, _ in part], proposal_lens=[len(p) for _, p in part],
+                                        token_ids=toks))
+        # every target rank gets all shards, in scrambled order: other ranks' rows are skipped
         shards = [decode(encode(s), expected=Proposals) for s in reversed(shards)]
-        merged = merge_proposals(step.target.seq_ids, step.target.k, shards)
-        assert merged.draft_rows == [-1] * step.target.num_seqs
-        self.sched.attach_proposals(step, merged)
+        prob_rows = [sid for s in shards if s.has_probs for sid in s.seq_ids]
+        for r, tplan in enumerate(step.target_plans):
+            if tplan is None or not tplan.seq_ids:
+                continue
+            merged = merge_proposals(tplan.seq_ids, tplan.k, shards)
+            for i, sid in enumerate(tplan.seq_ids):
+                props = proposed.get(sid, [])
+                assert merged.proposal_lens[i] == len(props)
+                assert merged.token_ids[i * tplan.k:(i + 1) * tplan.k] == props + [-1] * (tplan.k - len(props))
+                if merged.draft_rows[i] != -1:
+                    assert props and prob_rows[merged.draft_rows[i]] == sid
+                else:
+                    assert not props or not any(sid in s.seq_ids for s in shards if s.has_probs)
+            other = step.target_plans[:r] + step.target_plans[r + 1:]
+            before = [(p.proposal_token_ids, p.proposal_lens) for p in other if p is not None]
+            self.sched.attach_proposals(step, r, merged)
+            assert step.target_plans[r].proposal_token_ids == merged.token_ids
+            # attaching touches only that rank's plan
+            assert [(p.proposal_token_ids, p.proposal_lens) for p in other if p is not None] == before
 
-    def verify(self, step: ScheduledStep, truth: dict[int, list[int]]) -> StepResult:
-        plan = roundtrip(step.target)
-        k = plan.k
-        histories = self.target.apply(plan, truth)
-        num_emitted, token_ids = [], []
-        for i, sid in enumerate(plan.seq_ids):
-            k_i = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-            props = plan.proposal_token_ids[i * k:i * k + k_i]
-            assert -1 not in props
-            if plan.proposal_token_ids:
-                assert plan.proposal_token_ids[i * k + k_i:(i + 1) * k] == [-1] * (k - k_i)
-            self.target.cache[sid].extend(props)
-            assert len(self.target.cache[sid]) <= self.target.blocks.num_slots(sid)
-            hist = histories[i]
-            out: list[int] = []
-            for p in props:
-                t = true_next(hist + out)
-                out.append(t)
-                if p != t:
-                    break
-            else:
-                out.append(true_next(hist + out))   # every proposal accepted: bonus token
-            num_emitted.append(len(out))
-            token_ids.extend(out)
-            self.counts.drafted += k_i
-            self.counts.accepted += len(out) - 1
-            self.counts.emitted += len(out)
-        self.counts.seq_steps += plan.num_seqs
+    def verify(self, step: ScheduledStep, truth: dict[int, list[int]]) -> list[StepResult | None]:
+        results: list[StepResult | None] = []
+        for r, tplan in enumerate(step.target_plans):
+            if tplan is None:
+                results.append(None)
+                continue
+            plan = roundtrip(tplan)
+            k = plan.k
+            worker = self.targets[r]
+            histories = worker.apply(plan, truth)
+            num_emitted, token_ids = [], []
+            for i, sid in enumerate(plan.seq_ids):
+                k_i = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+                props = plan.proposal_token_ids[i * k:i * k + k_i]
+                assert -1 not in props
+                if plan.proposal_token_ids:
+                    assert plan.proposal_token_ids[i * k + k_i:(i + 1) * k] == [-1] * (k - k_i)
+                worker.cache[sid].extend(props)
+                assert len(worker.cache[sid]) <= worker.blocks.num_slots(sid)
+                hist = histories[i]
+                out: list[int] = []
+                for p in props:
+                    t = true_next(hist + out)
+                    out.append(t)
+                    if p != t:
+                        break
+                else:
+                    out.append(true_next(hist + out))   # every proposal accepted: bonus token
+                num_emitted.append(len(out))
+                token_ids.extend(out)
+                self.counts.drafted += k_i
+                self.counts.accepted += len(out) - 1
+                self.counts.emitted += len(out)
+            self.counts.seq_steps += plan.num_seqs
+            result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=num_emitted,
+                                token_ids=token_ids)
+            results.append(decode(encode(result), expected=StepResult))
         self.counts.steps += 1
-        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=num_emitted,
-                            token_ids=token_ids)
-        return decode(encode(result), expected=StepResult)
+        return results
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -290,17 +460,35 @@ class Engine:
         raise AssertionError("did not finish")
 
 
+def _per_rank(blocks, ranks: int) -> list:
+    if isinstance(blocks, (list, tuple)):
+        assert len(blocks) == ranks or ranks == 1
+        return list(blocks)
+    return [blocks] * ranks
+
+
 def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = None, block_size: int = 4,
-          target_blocks: int = 1000, draft_blocks: int | None = 1000, **cfg) -> Engine:
-    """A scheduler with ample pools by default; ``draft_blocks=None``: a proposer without a
-    KV pool (n-gram style). The fake workers' pools are the same size as the mirrors."""
+          target_blocks: int | list[int] = 1000, draft_blocks: int | list[int] | None = 1000,
+          target_ranks: int = 1, draft_ranks: int = 1, **cfg) -> Engine:
+    """A scheduler with ample pools by default; ``draft_blocks=None``: proposers without a KV
+    pool (n-gram style). Pool sizes are per rank (an int: the same for every rank). The fake
+    workers' pools are the same size as the mirrors. One rank is passed as a bare pool (the
+    single-pool form of the API), several as a list."""
     config = SchedulerConfig(num_speculative_tokens=k, target_max_len=target_max_len, draft_max_len=draft_max_len,
                              **cfg)
-    dpool = BlockManager(draft_blocks, block_size) if draft_blocks else None
-    sched = Scheduler(config, BlockManager(target_blocks, block_size), dpool)
-    target = FakeWorker("target", target_blocks, block_size)
-    draft = FakeWorker("draft", draft_blocks or 2000, block_size)
-    return Engine(sched, target, draft)
+    t_sizes = _per_rank(target_blocks, target_ranks)
+    tpools = [BlockManager(n, block_size) for n in t_sizes]
+    if draft_blocks is None:
+        d_sizes = [2000] * draft_ranks
+        dpools = None
+    else:
+        d_sizes = _per_rank(draft_blocks, draft_ranks)
+        dpools = [BlockManager(n, block_size) for n in d_sizes]
+        dpools = dpools[0] if len(dpools) == 1 else dpools
+    sched = Scheduler(config, tpools[0] if len(tpools) == 1 else tpools, dpools, num_proposers=len(d_sizes))
+    targets = [FakeWorker(f"target{r}", n, block_size) for r, n in enumerate(t_sizes)]
+    drafts = [FakeWorker(f"draft{d}", n, block_size) for d, n in enumerate(d_sizes)]
+    return Engine(sched, targets, drafts)
 
 
 # ======================================================================================
@@ -328,9 +516,12 @@ def assert_matches_reference(eng: Engine, ref) -> None:
     s = eng.sched
     assert not s.running and not s.waiting
     assert s.stats.num_requests_finished == len(ref)
-    assert s.target_blocks.num_free_blocks == s.target_blocks.num_blocks
-    if s.draft_blocks is not None:
-        assert s.draft_blocks.num_free_blocks == s.draft_blocks.num_blocks
+    for pool in s.target_pools + s.draft_pools:
+        assert pool.num_free_blocks == pool.num_blocks
+    # the last frees are still owed: they travel with the next plan
+    pending_t = [sorted(f) for f in s._target_frees]
+    assert pending_t == [sorted(f) for f in eng._frees_t]
+    assert [sorted(f) for f in s._draft_frees] == [sorted(f) for f in eng._frees_d]
 
 
 def expected_k(cfg: SchedulerConfig, k: int, n: int, remaining: int) -> int:
@@ -375,7 +566,7 @@ def test_no_proposer_plain_decoding():
 
 def test_proposer_without_draft_pool_ngram_style():
     eng = build(k=3, draft_blocks=None)
-    eng.draft = FakeWorker("draft", 2000, 4)
+    assert eng.sched.draft_pools == [] and eng.sched.num_draft_ranks == 1
     ref = add_requests(eng, MIXED[:10])
     eng.run()
     assert_matches_reference(eng, ref)
@@ -385,8 +576,6 @@ def test_proposer_without_draft_pool_ngram_style():
 @pytest.mark.parametrize("with_pool", [True, False])
 def test_proposer_may_propose_fewer_than_planned(with_pool):
     eng = build(k=4, draft_blocks=1000 if with_pool else None)
-    if not with_pool:
-        eng.draft = FakeWorker("draft", 2000, 4)
     eng.shorten = lambda sid, pos, k_i: (sid + pos) % (k_i + 1)
     ref = add_requests(eng, MIXED)
     eng.run()
@@ -424,10 +613,11 @@ def test_requests_added_between_steps_join_running_ones():
     assert_matches_reference(eng, ref)
     for sid, after in joined:
         nxt = eng.steps[after]             # the very next step
-        ids = nxt.target.seq_ids
+        t = nxt.target_plans[0]
+        ids = t.seq_ids
         assert ids[-1] == sid              # joins at the end of the batch ...
         assert len(ids) > 1                # ... next to sequences already running
-        assert nxt.target.num_computed[-1] == 0 and nxt.target.num_new[-1] == len(prompt_for(sid, 1 + sid % 6))
+        assert t.num_computed[-1] == 0 and t.num_new[-1] == len(prompt_for(sid, 1 + sid % 6))
     assert max(len(s.seqs) for s in eng.steps) >= 5
 
 
@@ -439,9 +629,9 @@ def test_max_num_seqs_and_token_budget_limit_admission():
     assert_matches_reference(eng, ref)
     assert max(len(s.seqs) for s in eng.steps) == 3
     # first step: two 8-token prompts fit the 20-token budget, a third does not
-    assert eng.steps[0].target.seq_ids == [1, 2]
+    assert eng.steps[0].target_plans[0].seq_ids == [1, 2]
     for s in eng.steps:
-        assert sum(s.target.num_new) <= 20
+        assert sum(s.target_plans[0].num_new) <= 20
 
 
 def test_a_single_prompt_over_the_token_budget_still_runs_alone():
@@ -450,7 +640,7 @@ def test_a_single_prompt_over_the_token_budget_still_runs_alone():
     ref = add_requests(eng, [(1, 10, 3), (2, 10, 3)])
     eng.run()
     assert_matches_reference(eng, ref)
-    assert eng.steps[0].target.seq_ids == [1]
+    assert eng.steps[0].target_plans[0].seq_ids == [1]
 
 
 # -- (c) KV exhaustion -------------------------------------------------------------------------
@@ -578,8 +768,9 @@ def test_draft_max_len_turns_speculation_off():
     assert all(k == 0 for n, _, k in seen if n + 1 > 24)
     assert all(k == 0 for n, _, k in seen if n >= 21)   # n + 4 > 24 (remaining is large)
     for s in eng.steps:
-        if s.draft is not None:
-            assert all(slots <= 24 - 1 for slots in s.draft.num_slots)   # n + k_i - 1
+        for d in s.draft_plans:
+            if d is not None:
+                assert all(slots <= 24 - 1 for slots in d.num_slots)   # n + k_i - 1
 
 
 def test_target_max_len_caps_and_finishes_with_length():
@@ -635,19 +826,19 @@ def test_stop_token_mid_step_discards_the_rest(index):
     stop_step = index // 5                       # steps emit 5 tokens each
     assert eng.counts.emitted == eng.sched.stats.num_emitted_tokens
     # the step where it stopped had emitted all 5, the sequence kept index % 5 + 1
-    st, res = eng.steps[stop_step], eng.results[stop_step]
-    i = st.target.seq_ids.index(sid)
+    st, res = eng.steps[stop_step], eng.results[stop_step][0]
+    i = st.target_plans[0].seq_ids.index(sid)
     assert res.num_emitted[i] == 5
     emitted = res.token_ids[sum(res.num_emitted[:i]):sum(res.num_emitted[:i + 1])]
     assert emitted == out[5 * stop_step:5 * stop_step + 5]
     assert seq.output_tokens == out[:5 * stop_step] + emitted[:index % 5 + 1]
     # from the next step on it is gone, and the workers were told to free it
     later = eng.steps[stop_step + 1]
-    assert sid not in later.target.seq_ids
-    assert sid in later.target.free_seq_ids
-    assert later.draft is not None and sid in later.draft.free_seq_ids
+    assert sid not in later.target_plans[0].seq_ids
+    assert sid in later.target_plans[0].free_seq_ids
+    assert later.draft_plans[0] is not None and sid in later.draft_plans[0].free_seq_ids
     assert sid not in eng.target.cache and sid not in eng.draft.cache
-    assert not eng.sched.target_blocks.has(sid)
+    assert not eng.sched.target_pools[0].has(sid) and not eng.sched.draft_pools[0].has(sid)
 
 
 def test_update_returns_only_tokens_up_to_the_stop():
@@ -658,9 +849,9 @@ def test_update_returns_only_tokens_up_to_the_stop():
     step = eng.sched.schedule()
     truth = eng.truth(step)
     eng.propose(step, truth)
-    result = eng.verify(step, truth)
+    [result] = eng.verify(step, truth)
     assert result.num_emitted == [5]
-    [(seq, appended)] = eng.sched.update(step, result)
+    [(seq, appended)] = eng.sched.update(step, [result])
     assert appended == out[:2] and seq.finished and seq.finish_reason == "stop"
     assert eng.sched.stats.num_emitted_tokens == 5 and eng.sched.stats.num_accepted_tokens == 4
     assert not eng.sched.has_work
@@ -722,11 +913,25 @@ def test_update_rejects_a_result_for_another_batch_or_too_many_accepts():
     add_requests(eng, [(1, 3, 10), (2, 3, 10)])
     step = eng.sched.schedule()
     with pytest.raises(ValueError, match="batch"):
-        eng.sched.update(step, StepResult(step_id=step.step_id, seq_ids=[2, 1], num_emitted=[1, 1], token_ids=[0, 0]))
-    # no proposals attached: the plan's proposal_lens are the planned k_i = 2, so 4 emitted is too many
-    with pytest.raises(ValueError, match="accepted"):
-        eng.sched.update(step, StepResult(step_id=step.step_id, seq_ids=[1, 2], num_emitted=[4, 1],
-                                          token_ids=[0] * 5))
+        eng.sched.update(step, [StepResult(step_id=step.step_id, seq_ids=[2, 1], num_emitted=[1, 1],
+                                           token_ids=[0, 0])])
+    with pytest.raises(ValueError, match="batch"):
+        eng.sched.update(step, [None])
+    with pytest.raises(ValueError, match="batch"):
+        eng.sched.update(step, [])
+    # no proposals attached: nothing was proposed, so anything but the one verified token is too many
+    with pytest.raises(ValueError, match="emitted 2 tokens for 0 proposals"):
+        eng.sched.update(step, [StepResult(step_id=step.step_id, seq_ids=[1, 2], num_emitted=[1, 2],
+                                           token_ids=[0] * 3)])
+    # proposals attached: k_i = 2 proposed, so 4 emitted is too many (3 = 2 accepted + bonus is not)
+    eng.propose(step, eng.truth(step))
+    assert step.target_plans[0].proposal_lens == [2, 2]
+    with pytest.raises(ValueError, match="emitted 4 tokens for 2 proposals"):
+        eng.sched.update(step, [StepResult(step_id=step.step_id, seq_ids=[1, 2], num_emitted=[3, 4],
+                                           token_ids=[0] * 7)])
+    # nothing was applied by the rejected results
+    assert [s.num_tokens for s in step.seqs] == [3, 3] and eng.sched.stats.num_steps == 0
+    assert all(s.target_computed == 0 for s in step.seqs)
 
 
 # -- (g) randomized property test -----------------------------------------------------------------
@@ -765,7 +970,7 @@ def test_random_scenarios(scenario):
         # fed tokens respect the budget once more than a lone first request is admitted
         admitted = [i for i, s in enumerate(step.seqs) if s.seq_id in admitted_now]
         if admitted and (admitted[0] > 0 or len(admitted) > 1):
-            assert sum(step.target.num_new) <= max_batched
+            assert sum(sum(p.num_new) for p in step.target_plans if p is not None) <= max_batched
         for i, s in enumerate(step.seqs):
             assert (i in admitted) == (i >= len(step.seqs) - len(admitted))   # newcomers come last
             # a short pool only ever turns speculation off, never changes the rule otherwise
@@ -834,13 +1039,14 @@ def test_plans_carry_sampling_knobs_and_seeds():
     eng.sched.add(seq)
     eng.sched.add(make_seq(10, [4, 5], 5))
     step = eng.sched.schedule()
-    for plan in (step.target, step.draft):
+    target, draft = step.target_plans[0], step.draft_plans[0]
+    for plan in (target, draft):
         plan = roundtrip(plan)
         assert plan.seq_ids == [9, 10]
         assert plan.temperature == [0.8, 0.0] and plan.top_k == [7, 0] and plan.top_p == [0.5, 1.0]
         assert plan.seeds == [2**63 - 1, 10]
-    assert step.target.token_ids == [1, 2, 3, 4, 5] and step.target.num_new == [3, 2]
-    assert step.target.num_slots == [5, 4] and step.draft.num_slots == [4, 3]
+    assert target.token_ids == [1, 2, 3, 4, 5] and target.num_new == [3, 2]
+    assert target.num_slots == [5, 4] and draft.num_slots == [4, 3]
 
 
 def test_abort_all_releases_everything():
@@ -854,7 +1060,396 @@ def test_abort_all_releases_everything():
     assert sorted(s.seq_id for s in failed) == sorted(set(sid for sid, _, _ in KV_SPECS) - set(eng.finished))
     assert all(s.finished and s.finish_reason == "error" for s in failed)
     assert not eng.sched.has_work and eng.sched.schedule() is None
-    assert eng.sched.target_blocks.num_free_blocks == eng.sched.target_blocks.num_blocks
-    assert eng.sched.draft_blocks.num_free_blocks == eng.sched.draft_blocks.num_blocks
-    assert sorted(eng.sched._target_frees) == sorted(running)
+    for pool in eng.sched.target_pools + eng.sched.draft_pools:
+        assert pool.num_free_blocks == pool.num_blocks
+    assert [sorted(f) for f in eng.sched._target_frees] == [sorted(running)]
     eng.sched.check_integrity()
+
+
+# -- (h) several target and draft workers ----------------------------------------------------------
+
+MANY = [(i, 1 + (7 * i) % 37, 1 + (11 * i) % 41) for i in range(1, 41)]
+KV_MANY = [(i, 5 + (3 * i) % 16, 20 + (7 * i) % 11) for i in range(1, 25)]
+
+
+def assert_every_rank_worked(eng: Engine) -> None:
+    assert all(w.num_seq_plans > 0 for w in eng.targets), [w.num_seq_plans for w in eng.targets]
+    if eng.sched.num_draft_ranks:
+        assert all(w.num_seq_plans > 0 for w in eng.drafts), [w.num_seq_plans for w in eng.drafts]
+    assert {t for _, t, _ in eng.placements} == set(range(len(eng.targets)))
+    assert {d for _, _, d in eng.placements} == set(range(max(eng.sched.num_draft_ranks, 1)))
+
+
+def test_scheduler_takes_one_pool_or_a_list():
+    cfg = SchedulerConfig(num_speculative_tokens=3, target_max_len=64)
+    one = BlockManager(10, 4)
+    s = Scheduler(cfg, one, BlockManager(10, 4))
+    assert s.target_pools == [one] and len(s.draft_pools) == 1 and s.num_draft_ranks == 1
+    pools = [BlockManager(10, 4) for _ in range(3)]
+    s = Scheduler(cfg, pools, (BlockManager(10, 4), BlockManager(10, 4)))
+    assert s.target_pools == pools and len(s.draft_pools) == 2 and s.num_draft_ranks == 2
+    s = Scheduler(cfg, pools, None, num_proposers=3)       # n-gram proposers: no draft KV
+    assert s.draft_pools == [] and s.num_draft_ranks == 3
+    s = Scheduler(SchedulerConfig(num_speculative_tokens=3, target_max_len=64, use_proposer=False), pools,
+                  [BlockManager(10, 4)])
+    assert s.k == 0 and s.num_draft_ranks == 0
+    with pytest.raises(ValueError, match="target pool"):
+        Scheduler(cfg, [])
+
+
+@pytest.mark.parametrize("T,D,k", [(2, 3, 4), (3, 2, 2), (3, 3, 3), (2, 2, 0)])
+def test_several_workers_equal_plain_greedy_decoding(T, D, k):
+    eng = build(k=k, target_ranks=T, draft_ranks=D)
+    eng.probs = True
+    eng.num_shards = 2
+    eng.check_balance = True           # ample pools: every newcomer goes to the least loaded ranks
+    ref = add_requests(eng, MANY[:20])
+    steps = 0
+    while eng.sched.has_work:          # the rest join while the first ones run
+        assert eng.step()
+        steps += 1
+        if steps % 2 and len(ref) < len(MANY):
+            ref |= add_requests(eng, [MANY[len(ref)]])
+    assert_matches_reference(eng, ref)
+    assert_every_rank_worked(eng)
+    c = eng.counts
+    assert eng.sched.stats.num_preemptions == 0
+    if k:
+        assert 0 < c.accepted < c.drafted
+    else:
+        assert c.drafted == 0 and c.draft_calls == 0 and eng.sched.num_draft_ranks == 0
+
+
+def test_several_ngram_proposers_without_draft_pools():
+    eng = build(k=3, draft_blocks=None, target_ranks=2, draft_ranks=3)
+    assert eng.sched.draft_pools == [] and eng.sched.num_draft_ranks == 3
+    eng.shorten = lambda sid, pos, k_i: (sid + pos) % (k_i + 1)
+    ref = add_requests(eng, MANY[:18])
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert_every_rank_worked(eng)
+    assert eng.counts.accepted > 0
+
+
+@pytest.mark.parametrize("T,D,tblocks,dblocks,bs", [
+    (2, 3, 18, 1000, 4),               # one sequence at full length needs 16 blocks
+    (3, 2, 17, 6, 4),
+    (2, 2, 17, 5, 4),
+    (3, 3, [17, 20, 40], [5, 8, 1000], 4),
+    (2, 3, 64, 64, 1),
+    (3, 2, 9, 9, 8),
+])
+def test_several_workers_under_kv_pressure_preempt_and_still_match(T, D, tblocks, dblocks, bs):
+    eng = build(k=4, target_max_len=64, block_size=bs, target_ranks=T, draft_ranks=D,
+                target_blocks=tblocks, draft_blocks=dblocks)
+    eng.probs = True
+    ref = add_requests(eng, KV_MANY, stop_ids=[5])
+    eng.run()                          # check_integrity and the per-rank mirror checks run every step
+    assert_matches_reference(eng, ref)
+    st = eng.sched.stats
+    assert st.num_preemptions > 0 and len(eng.preemptions) == st.num_preemptions
+    assert sum(s.num_preemptions for s in eng.finished.values()) == st.num_preemptions
+    assert_every_rank_worked(eng)
+
+
+def test_running_sequences_never_change_rank_and_preempted_ones_may():
+    eng = build(k=3, target_max_len=64, target_ranks=3, draft_ranks=2, target_blocks=18, draft_blocks=12)
+    seen: dict[int, list[tuple[int, int, int]]] = {}     # seq -> (step, target, draft) per step it ran
+
+    def record(step):
+        for s in step.seqs:
+            seen.setdefault(s.seq_id, []).append((step.step_id, s.target_rank, s.draft_rank))
+    eng.on_plan = record
+    ref = add_requests(eng, KV_MANY)
+    eng.run()
+    assert_matches_reference(eng, ref)
+    preempted_at = {}
+    for p in eng.preemptions:
+        preempted_at.setdefault(p.seq_id, []).append(p.step_id)
+    moved = 0
+    for sid, runs in seen.items():
+        for (s0, t0, d0), (s1, t1, d1) in zip(runs, runs[1:]):
+            if any(s0 < p <= s1 for p in preempted_at.get(sid, [])):
+                moved += (t0, d0) != (t1, d1)
+            else:
+                assert (t0, d0) == (t1, d1), f"running seq {sid} moved between steps {s0} and {s1}"
+                assert s1 == s0 + 1, f"running seq {sid} skipped a step"
+    assert preempted_at and moved > 0      # re-admission places a preempted sequence afresh
+
+
+@pytest.mark.parametrize("T,D,n,length", [(2, 2, 8, 6), (3, 2, 7, 5), (2, 3, 9, 11), (3, 3, 3, 4), (3, 3, 10, 1)])
+def test_equal_requests_spread_evenly_over_empty_ranks(T, D, n, length):
+    eng = build(k=2, target_ranks=T, draft_ranks=D)
+    add_requests(eng, [(i, length, 5) for i in range(1, n + 1)])
+    step = eng.sched.schedule()
+    assert len(step.seqs) == n
+    t_load = [sum(s.num_tokens for s in seqs) for seqs in step.target_seqs]
+    d_load = [sum(s.num_tokens for s in step.seqs if s.draft_rank == d) for d in range(D)]
+    assert max(t_load) - min(t_load) <= length and max(d_load) - min(d_load) <= length
+    assert sum(t_load) == sum(d_load) == n * length
+    if n >= max(T, D):
+        assert all(step.target_plans) and all(step.draft_plans)
+    # round robin, since every load ties or trails by one request
+    assert [s.target_rank for s in step.seqs] == [i % T for i in range(n)]
+    assert [s.draft_rank for s in step.seqs] == [i % D for i in range(n)]
+
+
+def test_placement_follows_token_load_not_request_count():
+    eng = build(k=2, target_ranks=2, draft_ranks=2)
+    eng.check_balance = True
+    add_requests(eng, [(1, 30, 50), (2, 4, 50), (3, 4, 50), (4, 4, 50), (5, 4, 50)])
+    eng.step()
+    # 30 tokens on rank 0 outweigh four 4-token requests on rank 1
+    assert [s.target_rank for s in eng.sched.running] == [0, 1, 1, 1, 1]
+    assert [s.draft_rank for s in eng.sched.running] == [0, 1, 1, 1, 1]
+    add_requests(eng, [(6, 4, 50)])
+    eng.step()
+    assert (eng.sched.running[-1].target_rank, eng.sched.running[-1].draft_rank) == (1, 1)   # 31 vs 20 tokens
+
+
+def test_placement_prefers_a_target_pool_the_request_fits_in():
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
+    add_requests(eng, [(1, 20, 2)])       # 5 blocks: only rank 1 can hold it, though rank 0 is idle
+    step = eng.sched.schedule()
+    assert [s.target_rank for s in step.seqs] == [1] and step.target_plans[0] is None
+    eng.sched.abort_all("test")
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
+    add_requests(eng, [(1, 8, 2)])        # 2 blocks: fits the least loaded rank 0
+    assert [s.target_rank for s in eng.sched.schedule().seqs] == [0]
+
+
+def test_preemption_under_pressure_on_one_rank_takes_only_that_ranks_sequences():
+    # rank 0 is tight (one sequence at full length needs 16 blocks), rank 1 is ample
+    eng = build(k=2, target_max_len=64, target_ranks=2, draft_ranks=2, target_blocks=[18, 1000])
+    ref = add_requests(eng, KV_MANY)
+    eng.run()        # the engine checks every step that each rank's victims are its newest sequences
+    assert_matches_reference(eng, ref)
+    assert eng.preemptions and all(p.target_rank == 0 for p in eng.preemptions)
+    # the victims were not the newest running sequences overall: newer ones on rank 1 kept running
+    assert any(p.newer_elsewhere for p in eng.preemptions)
+    assert_every_rank_worked(eng)
+
+
+def test_preemption_victim_is_the_newest_unscheduled_sequence_of_the_same_rank():
+    # 4 blocks of 4 tokens per target rank; four 4-token requests, two per rank, all growing
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
+    while not eng.preemptions:
+        assert eng.step()
+    assert not eng.finished
+    # rank 0 holds 1 and 3, rank 1 holds 2 and 4: each rank gives up its own newest
+    assert sorted((p.seq_id, p.target_rank) for p in eng.preemptions) == [(3, 0), (4, 1)]
+    assert [(s.seq_id, s.target_rank) for s in eng.sched.running] == [(1, 0), (2, 1)]
+
+
+def test_frees_reach_the_ranks_that_held_the_sequence():
+    eng = build(k=2, target_max_len=128, target_ranks=3, draft_ranks=2)
+    eng.keep_steps = True
+    finished_in: list[list[Sequence]] = []
+
+    def record(step):                       # runs after update: these finished in this very step
+        finished_in.append([s for s in step.seqs if s.finished])
+    eng.on_step = record
+    ref = add_requests(eng, [(i, 3 + i % 5, 2 + (5 * i) % 23) for i in range(1, 19)])
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert sum(map(len, finished_in)) == len(ref)
+    free_only = 0
+    for i, step in enumerate(eng.steps[:-1]):
+        nxt = eng.steps[i + 1]
+        for s in finished_in[i]:
+            for r, plan in enumerate(nxt.target_plans):
+                frees = plan.free_seq_ids if plan is not None else []
+                assert (s.seq_id in frees) == (r == s.target_rank), (s.seq_id, r)
+            for d, plan in enumerate(nxt.draft_plans):
+                frees = plan.free_seq_ids if plan is not None else []
+                assert (s.seq_id in frees) == (d == s.draft_rank), (s.seq_id, d)
+        for plan in nxt.target_plans + nxt.draft_plans:
+            if plan is not None and not plan.seq_ids:
+                assert plan.free_seq_ids
+                free_only += 1
+    assert free_only > 0
+
+
+def test_a_plan_may_carry_only_frees():
+    eng = build(k=2, target_ranks=2, draft_ranks=2)
+    eng.keep_steps = True
+    add_requests(eng, [(1, 4, 30), (2, 4, 6)])     # 1 on ranks (0, 0), 2 on ranks (1, 1)
+    eng.step()
+    assert [(s.target_rank, s.draft_rank) for s in eng.steps[0].seqs] == [(0, 0), (1, 1)]
+    while 2 not in eng.finished:
+        eng.step()
+    # the driver's mirror let go at once; the worker still holds it until its next plan
+    assert not eng.sched.target_pools[1].has(2) and not eng.sched.draft_pools[1].has(2)
+    assert 2 in eng.targets[1].cache and eng.targets[1].blocks.has(2) and eng.drafts[1].blocks.has(2)
+    eng.step()
+    step, results = eng.steps[-1], eng.results[-1]
+    t1, d1 = step.target_plans[1], step.draft_plans[1]
+    assert t1.seq_ids == [] and t1.free_seq_ids == [2] and step.target_seqs[1] == []
+    assert d1.seq_ids == [] and d1.free_seq_ids == [2] and step.draft_seqs[1] == []
+    assert step.target_plans[0].free_seq_ids == [] and step.draft_plans[0].free_seq_ids == []
+    assert results[1] is not None and results[1].seq_ids == []
+    # the workers applied them: rank 1 holds nothing, like its mirrors
+    assert eng.targets[1].cache == {} and eng.drafts[1].cache == {}
+    for w in (eng.targets[1], eng.drafts[1]):
+        assert w.blocks.num_free_blocks == w.blocks.num_blocks
+    # nothing left to free: the next step has no plan at all for rank 1
+    eng.step()
+    assert eng.steps[-1].target_plans[1] is None and eng.steps[-1].draft_plans[1] is None
+    eng.run()
+
+
+def test_update_takes_none_for_a_plan_without_sequences():
+    eng = build(k=0, target_ranks=2, draft_blocks=None)
+    add_requests(eng, [(1, 4, 30), (2, 4, 1)])
+    eng.step()
+    assert 2 in eng.finished and eng.finished[2].target_rank == 1
+    step = eng.sched.schedule()
+    assert step.target_plans[1].seq_ids == [] and step.target_plans[1].free_seq_ids == [2]
+    results = eng.verify(step, eng.truth(step))
+    out = eng.sched.update(step, [results[0], None])
+    assert [s.seq_id for s, _ in out] == [1]
+
+
+def test_frees_of_a_preempted_sequence_go_to_its_old_ranks():
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    eng.keep_steps = True
+    add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
+    while not eng.preemptions:
+        eng.step()
+    step = eng.steps[-1]
+    assert step.target_plans[0].free_seq_ids == [3] and step.target_plans[1].free_seq_ids == [4]
+    assert 3 not in eng.targets[0].cache and 4 not in eng.targets[1].cache
+
+
+def test_update_validates_every_rank_before_applying_any():
+    eng = build(k=2, target_ranks=2, draft_ranks=2)
+    add_requests(eng, [(1, 3, 10), (2, 3, 10), (3, 3, 10)])
+    step = eng.sched.schedule()
+    assert [p.seq_ids for p in step.target_plans] == [[1, 3], [2]]
+    truth = eng.truth(step)
+    eng.propose(step, truth)
+    good = eng.verify(step, truth)
+    snapshot = [(s.seq_id, list(s.tokens), s.target_computed, s.draft_computed, s.num_draft_tokens)
+                for s in step.seqs]
+
+    def unchanged():
+        assert [(s.seq_id, list(s.tokens), s.target_computed, s.draft_computed, s.num_draft_tokens)
+                for s in step.seqs] == snapshot
+        assert eng.sched.stats.num_steps == 0 and eng.sched.stats.num_emitted_tokens == 0
+
+    bad_ids = StepResult(step_id=step.step_id, seq_ids=[3], num_emitted=[1], token_ids=[0])
+    too_many = StepResult(step_id=step.step_id, seq_ids=[2], num_emitted=[step.target_plans[1].proposal_lens[0] + 2],
+                          token_ids=[0] * (step.target_plans[1].proposal_lens[0] + 2))
+    for results, match in [([good[0], bad_ids], "batch"), ([good[0], None], "batch"), ([good[0]], "batch"),
+                           ([good[0], too_many], "emitted"), ([None, good[1]], "batch")]:
+        with pytest.raises(ValueError, match=match):
+            eng.sched.update(step, results)
+        unchanged()
+    out = eng.sched.update(step, good)
+    assert [s.seq_id for s, _ in out] == [1, 3, 2]
+
+
+def test_pool_too_small_for_one_request_raises_with_several_ranks():
+    eng = build(k=2, target_max_len=64, target_ranks=2, target_blocks=2)
+    add_requests(eng, [(1, 9, 4)])
+    with pytest.raises(RuntimeError, match="KV pool too small"):
+        eng.sched.schedule()
+
+
+def test_abort_all_frees_go_to_each_ranks_queue():
+    eng = build(k=3, target_max_len=64, target_ranks=2, draft_ranks=3, target_blocks=18)
+    add_requests(eng, KV_MANY)
+    for _ in range(3):
+        eng.step()
+    running = [(s.seq_id, s.target_rank, s.draft_rank) for s in eng.sched.running]
+    owed_t = [set(f) for f in eng._frees_t]
+    owed_d = [set(f) for f in eng._frees_d]
+    failed = eng.sched.abort_all("error")
+    assert len(failed) == len(KV_MANY) - len(eng.finished)
+    for pool in eng.sched.target_pools + eng.sched.draft_pools:
+        assert pool.num_free_blocks == pool.num_blocks
+    assert [sorted(f) for f in eng.sched._target_frees] == \
+        [sorted(owed_t[r] | {sid for sid, t, _ in running if t == r}) for r in range(2)]
+    assert [sorted(f) for f in eng.sched._draft_frees] == \
+        [sorted(owed_d[d] | {sid for sid, _, dr in running if dr == d}) for d in range(3)]
+
+
+@pytest.mark.parametrize("scenario", range(30))
+def test_random_scenarios_with_several_workers(scenario):
+    rng = random.Random(5000 + scenario)
+    T, D = rng.randrange(1, 4), rng.randrange(1, 4)
+    k = rng.choice([0, 1, 2, 3, 4])
+    block_size = rng.choice([1, 2, 4, 8])
+    tml = rng.randrange(8, 64)
+    dml = rng.choice([None, None, rng.randrange(4, tml + 8)])
+    need = -(-(tml - 1) // block_size)                    # one sequence at full length
+    tblocks = [rng.choice([need, need + 1, need + rng.randrange(0, 2 * need), 10 * need]) for _ in range(T)]
+    dblocks = rng.choice([None, [rng.choice([1, rng.randrange(1, 2 * need + 2), 10 * need]) for _ in range(D)]])
+    eng = build(k=k, target_max_len=tml, draft_max_len=dml, block_size=block_size, target_ranks=T, draft_ranks=D,
+                target_blocks=tblocks, draft_blocks=dblocks, max_num_seqs=rng.randrange(1, 10),
+                max_num_batched_tokens=rng.randrange(1, 150))
+    wrong_mod = rng.randrange(1, 6)
+    eng.draft_wrong = lambda sid, pos: (sid * 5 + pos * 3) % 7 < wrong_mod - 1
+    eng.num_shards = rng.randrange(1, 4)
+    eng.probs = rng.random() < 0.5
+    if rng.random() < 0.3:
+        eng.shorten = lambda sid, pos, k_i: (3 * sid + pos) % (k_i + 1)
+    stop_ids = rng.sample(range(V), rng.randrange(0, 4))
+    max_seqs = eng.sched.config.max_num_seqs
+    max_batched = eng.sched.config.max_num_batched_tokens
+    admitted_now: set[int] = set()
+
+    def check(step):
+        assert len(step.seqs) <= max_seqs
+        admitted = [i for i, s in enumerate(step.seqs) if s.seq_id in admitted_now]
+        if admitted and (admitted[0] > 0 or len(admitted) > 1):
+            assert sum(sum(p.num_new) for p in step.target_plans if p is not None) <= max_batched
+        for s in step.seqs:
+            assert s.step_k in (0, expected_k(eng.sched.config, k, s.num_tokens, s.remaining))
+    eng.on_plan = check
+
+    total = rng.randrange(1, 25)
+    ref: dict[int, tuple[list[int], str]] = {}
+    next_id = 1
+    steps = 0
+    while next_id <= total or eng.sched.has_work:
+        while next_id <= total and (not eng.sched.has_work or rng.random() < 0.4):
+            ref |= add_requests(eng, [(next_id, rng.randrange(1, tml), rng.randrange(1, 40))], stop_ids)
+            next_id += 1
+        admitted_now = {s.seq_id for s in eng.sched.waiting}
+        assert eng.step()
+        steps += 1
+        assert steps < 5000
+    assert_matches_reference(eng, ref)
+    assert len(eng.finished) == total
+
+
+# -- bugs found while writing these tests ---------------------------------------------------------------
+
+def test_self_preemption_on_a_small_pool_moves_to_a_pool_that_fits():
+    # rank 0 holds 8 slots, rank 1 plenty: the request starts on the idle rank 0 (it fits) and outgrows it
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[2, 1000], draft_blocks=None)
+    ref = add_requests(eng, [(1, 5, 20)])
+    eng.run()
+    assert_matches_reference(eng, ref)
+
+
+def test_preempted_sequences_of_several_ranks_requeue_oldest_first():
+    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
+    while not eng.preemptions:
+        eng.step()
+    # running order was 1, 2, 3, 4; 3 and 4 were preempted: 3 is older and keeps its priority
+    assert [s.seq_id for s in eng.sched.waiting] == [3, 4]
+
+
+def test_update_rejects_a_malformed_result_before_applying_any():
+    eng = build(k=0, target_ranks=2, draft_blocks=None)
+    add_requests(eng, [(1, 3, 10), (2, 3, 10), (3, 3, 10)])
+    step = eng.sched.schedule()
+    good = StepResult(step_id=step.step_id, seq_ids=[1, 3], num_emitted=[1, 1], token_ids=[7, 7])
+    bad = StepResult(step_id=step.step_id, seq_ids=[2], num_emitted=[], token_ids=[])   # num_emitted missing
+    with pytest.raises(ValueError):
+        eng.sched.update(step, [good, bad])
+    assert [s.num_tokens for s in step.seqs] == [3, 3, 3]
