@@ -225,6 +225,44 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+class _Refused(Exception):
+    """``--on-error fail``: the driver refused a line while others were generating."""
+
+
+def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str], None], chunk_size: int,
+                 in_flight: int, progress: bool) -> tuple[int, int]:
+    """Run ``items`` in chunks, ``in_flight`` generate calls at a time (so the driver's batch
+    stays full while a chunk waits for its longest request), and write the outputs in input
+    order. Returns (requests done, tokens generated)."""
+    from tqdm import tqdm
+
+    chunks = iter([items[i:i + chunk_size] for i in range(0, len(items), chunk_size)])
+    bar = tqdm(total=len(items), unit="req", file=sys.stderr, disable=not progress or not items, dynamic_ncols=True)
+    pool = ThreadPoolExecutor(in_flight, thread_name_prefix="specray-batch")
+    running: deque = deque()
+    done = tokens = 0
+    try:
+        for chunk in chunks:
+            running.append((chunk, pool.submit(generate_chunk, rt, chunk, reject)))
+            if len(running) == in_flight:
+                break
+        while running:
+            chunk, future = running.popleft()
+            for item, o in future.result():
+                out.write(output_record(item, o))
+                done += 1
+                tokens += len(o.token_ids)
+            nxt = next(chunks, None)
+            if nxt is not None:
+                running.append((nxt, pool.submit(generate_chunk, rt, nxt, reject)))
+            bar.update(len(chunk))
+            bar.set_postfix(tokens=tokens, refresh=False)
+    finally:
+        bar.close()
+        pool.shutdown(wait=False, cancel_futures=True)   # calls still running end with the runtime
+    return done, tokens
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -241,11 +279,16 @@ def run(args) -> int:
         items, errors = read_input(args.input, defaults)
     except OSError as e:
         raise ValueError(f"cannot read --input: {e}") from None
+    fail = args.on_error == "fail"
     rejected: list[tuple[int, str]] = []
 
     def reject(line: int, reason: str) -> None:
         rejected.append((line, reason))
         tqdm.write(f"line {line}: {reason}", file=sys.stderr)
+
+    def refuse(line: int, reason: str) -> None:
+        reject(line, reason)
+        raise _Refused
 
     for line, reason in errors:
         reject(line, reason)
@@ -254,62 +297,35 @@ def run(args) -> int:
     except OSError as e:
         raise ValueError(f"cannot write --output: {e}") from None
     rt = None
-    pool = None
     t0 = time.perf_counter()
     try:
-        if items:
-            rt = SpecRuntime(config)
-        t_start = time.perf_counter()
-        if args.on_error == "fail":
+        rt = SpecRuntime(config) if items else None
+        t1 = time.perf_counter()
+        if fail:
             info = rt.info if rt is not None else {}
             for item in items:
-                reason = check_against(info, item)
-                if reason:
-                    reject(item.line, reason)
+                if why := check_against(info, item):
+                    reject(item.line, why)
             if rejected:
                 print(f"specray batch: {len(rejected)} malformed line(s); nothing generated (--on-error fail)",
                       file=sys.stderr)
-                out.discard()
                 return 2
-        chunks = [items[i:i + args.chunk_size] for i in range(0, len(items), args.chunk_size)]
-        bar = tqdm(total=len(items), unit="req", file=sys.stderr, disable=args.no_progress or not items,
-                   dynamic_ncols=True)
-        pool = ThreadPoolExecutor(args.chunks_in_flight, thread_name_prefix="specray-batch")
-        todo, running = iter(chunks), deque()
-        for chunk in todo:
-            running.append((chunk, pool.submit(generate_chunk, rt, chunk, reject)))
-            if len(running) == args.chunks_in_flight:
-                break
-        done = tokens = 0
-        while running:
-            chunk, future = running.popleft()
-            for item, o in future.result():      # in input order: chunks finish out of order
-                out.write(output_record(item, o))
-                done += 1
-                tokens += len(o.token_ids)
-            nxt = next(todo, None)
-            if nxt is not None:
-                running.append((nxt, pool.submit(generate_chunk, rt, nxt, reject)))
-            bar.update(len(chunk))
-            bar.set_postfix(tokens=tokens, refresh=False)
-        bar.close()
-        if args.on_error == "fail" and rejected:    # a tokenized string prompt was too long
-            print(f"specray batch: {len(rejected)} malformed line(s); output not written (--on-error fail)",
-                  file=sys.stderr)
-            out.discard()
+        try:
+            done, tokens = generate_all(rt, items, out, refuse if fail else reject, args.chunk_size,
+                                        args.chunks_in_flight, not args.no_progress)
+        except _Refused:                            # a tokenized string prompt was too long
+            print("specray batch: a malformed line; output not written (--on-error fail)", file=sys.stderr)
             return 2
-        wall = time.perf_counter() - t_start
+        wall = time.perf_counter() - t1
         m = rt.metrics() if rt is not None else {}
         out.commit()
     finally:
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
         out.discard()
         if rt is not None:
             rt.shutdown()
     rate = m.get("acceptance_rate")
     print(f"specray batch: {done} done, {len(rejected)} skipped, {tokens} tokens in {wall:.2f}s "
-          f"({tokens / wall if wall > 0 else 0.0:.1f} tokens/s; startup {t_start - t0:.1f}s), "
+          f"({tokens / wall if wall > 0 else 0.0:.1f} tokens/s; startup {t1 - t0:.1f}s), "
           f"acceptance_rate={'n/a' if rate is None else f'{rate:.3f}'}, "
           f"mean_accepted_length={m.get('mean_accepted_length', 0.0):.2f}", file=sys.stderr)
     return 0

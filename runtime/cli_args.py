@@ -27,6 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="static", choices=["static", "adaptive"],
+                   help="speculation policy: fixed k, or per-sequence k_i chosen for goodput")
+    p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--num-draft-workers", type=int, default=1)
     p.add_argument("--num-target-workers", type=int, default=1)
     p.add_argument("--draft-resources", type=json.loads, default={},
@@ -56,4 +59,5 @@ def runtime_config(args, **extra):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
         num_draft_workers=args.num_draft_workers, num_target_workers=args.num_target_workers,
         draft_resources=args.draft_resources, target_resources=args.target_resources,
-        placement_strategy=args.placement_strategy, ray_address=args.ray_address, **extra)
+        placement_strategy=args.placement_strategy, ray_address=args.ray_address,
+        speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, **extra)

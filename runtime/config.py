@@ -35,6 +35,8 @@ class RuntimeConfig:
     detached: bool = False
     ngram_max: int = 3
     ngram_min: int = 1
+    speculation_policy: str = "static"      # "static" | "adaptive" (per-sequence k_i by goodput)
+    disable_by_batch_size: int | None = None # no speculation once this many sequences run
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -68,6 +70,10 @@ class RuntimeConfig:
             res = getattr(self, name)
             if not isinstance(res, dict) or any(not isinstance(v, (int, float)) or v < 0 for v in res.values()):
                 raise ValueError(f"{name} must map resource names to non-negative amounts")
+        if self.speculation_policy not in ("static", "adaptive"):
+            raise ValueError(f"speculation_policy must be 'static' or 'adaptive', got {self.speculation_policy!r}")
+        if self.disable_by_batch_size is not None:
+            _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
 

@@ -65,7 +65,8 @@ class DriverCore:
         sched_cfg = SchedulerConfig(
             num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
             use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_batched_tokens=config.max_num_batched_tokens, speculation_policy=config.speculation_policy,
+            disable_by_batch_size=config.disable_by_batch_size)
         bs = config.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
@@ -78,6 +79,11 @@ class DriverCore:
         self._next_seq = 0
         self._stop = False
         self._last_error: str | None = None
+        self._exporter = None
+        if backend == "ray":
+            from runtime.metrics_export import RayMetrics
+
+            self._exporter = RayMetrics(config.name or "anonymous")
         self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
         self._thread.start()
 
@@ -229,13 +235,21 @@ class DriverCore:
 
     # -- the step loop -------------------------------------------------------------
     def _loop(self) -> None:
+        exported = True
         while True:
             with self._cv:
                 while not self._stop and not self._incoming and not self.scheduler.has_work:
+                    if not exported:
+                        break
                     self._cv.wait()
                 if self._stop:
                     return
                 incoming, self._incoming = self._incoming, []
+            if not (incoming or self.scheduler.has_work):
+                # Idle after work: export the final figures once, then sleep.
+                self._export()
+                exported = True
+                continue
             for seq in incoming:
                 self.scheduler.add(seq)
             try:
@@ -250,3 +264,11 @@ class DriverCore:
                             req.error = self._last_error
             with self._cv:
                 self._cv.notify_all()
+            exported = False
+            if self._exporter is not None and self._exporter.due():
+                self._export()
+                exported = True
+
+    def _export(self) -> None:
+        if self._exporter is not None:
+            self._exporter.update(self.metrics())

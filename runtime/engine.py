@@ -52,6 +52,7 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
+        self.scheduler.stats.schedule_s += time.perf_counter() - t0
         shards: list[tuple[Proposals, Any]] = []
         draft_s = None
         if any(p is not None for p in step.draft_plans):
@@ -75,7 +76,9 @@ class Engine:
         results: list[StepResult | None] = [None] * len(step.target_plans)
         for r, h in pending:
             results[r] = self.verifiers[r].wait(h)
-        self.scheduler.stats.record_phases(draft_s, time.perf_counter() - t1)
+        verify_s = time.perf_counter() - t1
+        self.scheduler.stats.record_phases(draft_s, verify_s)
+        self.scheduler.observe_times(step, draft_s, verify_s)
         return self.scheduler.update(step, results, time.perf_counter() - t0)
 
     def run_until_done(self) -> None:

@@ -29,6 +29,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.merge import MergedProposals
 from scheduler.messages import StepPlan, StepResult
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.speculation_policy import SpeculationPolicy
 from scheduler.stats import SpecStats
 
 
@@ -40,6 +41,8 @@ class SchedulerConfig:
     use_proposer: bool = True            # False: proposer "none", plain decoding
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192   # prefill budget per step for newly admitted work
+    speculation_policy: str = "static"   # "static" | "adaptive" (goodput-based, per sequence)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -77,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecStats(k=self.k)
+        self.policy = SpeculationPolicy(config.speculation_policy, self.k, config.disable_by_batch_size)
         self._step_id = 0
         # Frees the workers have not been told about yet; they travel with the next plan.
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
@@ -166,13 +170,30 @@ class Scheduler:
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
 
+    def _planned_k(self) -> tuple[dict[int, int], int]:
+        """The policy's k_i for every running sequence, and the k a newcomer gets."""
+        caps = [self.proposal_len(s) for s in self.running]
+        if self.k == 0:
+            return {s.seq_id: 0 for s in self.running}, 0
+        fed = sum(s.num_tokens - s.target_computed for s in self.running)
+        ks = self.policy.choose(caps, [s.acceptance for s in self.running], fed)
+        planned = {s.seq_id: k for s, k in zip(self.running, ks)}
+        if self.policy.kind == "static" or not ks:
+            newcomer = self.k
+        else:
+            newcomer = round(sum(ks) / len(ks))
+        if self.config.disable_by_batch_size is not None and len(self.running) >= self.config.disable_by_batch_size:
+            newcomer = 0
+        return planned, newcomer
+
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
         preempted = False
+        planned, newcomer_k = self._planned_k()
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
-            k = self._reserve(seq, self.proposal_len(seq))
+            k = self._reserve(seq, planned[seq.seq_id])
             while k is None:
                 same_pool = [s for s in queue if s.target_rank == seq.target_rank]
                 victim = same_pool[-1] if same_pool else seq
@@ -182,7 +203,7 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                k = self._reserve(seq, self.proposal_len(seq))
+                k = self._reserve(seq, planned[seq.seq_id])
             if k is not None:
                 batch.append((seq, k))
 
@@ -200,7 +221,7 @@ class Scheduler:
             if batch and cost > budget:
                 break
             self._place(seq, t_load, d_load)
-            k = self._reserve(seq, self.proposal_len(seq))
+            k = self._reserve(seq, min(self.proposal_len(seq), newcomer_k))
             if k is None:
                 break
             self.waiting.popleft()
@@ -256,6 +277,15 @@ class Scheduler:
         plan.proposal_lens = merged.proposal_lens
         plan.draft_rows = merged.draft_rows
 
+    def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
+        """Feed measured call times to the policy's cost model."""
+        plans = [p for p in step.target_plans if p is not None and p.seq_ids]
+        tokens = sum(sum(p.num_new) + sum(p.proposal_lens) for p in plans)
+        self.policy.cost.observe_target(len(step.seqs), tokens, verify_s)
+        if draft_s is not None:
+            ks = [s.step_k for s in step.seqs]
+            self.policy.cost.observe_draft(max(ks), sum(ks), draft_s)
+
     # -- results -------------------------------------------------------------------
     def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0
                ) -> list[tuple[Sequence, list[int]]]:
@@ -292,11 +322,15 @@ class Scheduler:
                     seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
                 seq.num_draft_tokens += proposed
                 seq.num_accepted_tokens += n_acc
+                if self.k:
+                    seq.acceptance.observe(proposed, n_acc, self.policy.decay)
+                    self.stats.record_positions(proposed, n_acc)
                 drafted += proposed
                 accepted += n_acc
                 emitted_total += n_emit
                 out.append((seq, self._append(seq, emitted)))
         self.stats.record_step(len(step.seqs), emitted_total, drafted, accepted, seconds)
+        self.stats.record_speculation(sum(s.step_k for s in step.seqs), len(step.seqs), self.k)
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)

@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
+from scheduler.speculation_policy import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +45,7 @@ class Sequence:
     target_rank: int = 0
     draft_rank: int = 0
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,11 @@ class SpecStats:
     draft_s: float = 0.0             # inside the proposer call (all k passes, messaging included)
     verify_s: float = 0.0            # inside the target call (forward, sampler, messaging)
     num_draft_calls: int = 0
+    schedule_s: float = 0.0
+    num_spec_off_steps: int = 0      # steps in which no sequence proposed (k > 0 configured)
+    last_mean_k: float = 0.0
+    proposed_at: list[int] = field(default_factory=list)    # per proposal position
+    accepted_at: list[int] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
 
     def record_step(self, seq_steps: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
@@ -29,6 +34,21 @@ class SpecStats:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.busy_s += seconds
+
+    def record_positions(self, proposed: int, accepted: int) -> None:
+        if len(self.proposed_at) < proposed:
+            grow = proposed - len(self.proposed_at)
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(proposed):
+            self.proposed_at[j] += 1
+            if j < accepted:
+                self.accepted_at[j] += 1
+
+    def record_speculation(self, sum_k: int, num_seqs: int, k: int) -> None:
+        self.last_mean_k = sum_k / num_seqs if num_seqs else 0.0
+        if k and sum_k == 0:
+            self.num_spec_off_steps += 1
 
     def record_phases(self, draft_s: float | None, verify_s: float) -> None:
         if draft_s is not None:
@@ -56,6 +76,10 @@ class SpecStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "num_draft_calls": self.num_draft_calls,
+            "schedule_s": self.schedule_s,
+            "num_spec_off_steps": self.num_spec_off_steps,
+            "mean_k": self.last_mean_k,
+            "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
             "mean_step_s": self.busy_s / steps if steps else 0.0,
             "mean_draft_s": self.draft_s / self.num_draft_calls if self.num_draft_calls else 0.0,
             "mean_verify_s": self.verify_s / steps if steps else 0.0,

@@ -1,0 +1,191 @@
+"""How many tokens each sequence should propose this step.
+
+Static: ``k_i = k`` wherever the limits allow (optionally 0 for everyone once the batch
+reaches ``disable_by_batch_size``).
+
+Adaptive (goodput): each sequence keeps a discounted estimate of its own per-token
+acceptance probability ``a_i`` (accepted proposals over accepted + rejected ones; a step
+that stops at the first rejection counts one rejection). Proposing ``j`` tokens then
+yields ``E_i(j) = 1 + a_i + ... + a_i^j`` expected tokens. A cost model of step time,
+fitted online from the runtime's own measured steps::
+
+    T(k) = target(n, n + sum k_i) + [sum k_i > 0] * draft(max k_i, sum k_i)
+    target(n, tokens) = t0 + t_seq * n + t_tok * tokens
+    draft(passes, tokens) = d0 + d_pass * passes + d_tok * tokens
+
+lets the policy pick the ``k_i`` that maximise expected emitted tokens per second for
+the whole batch: candidate tokens (sequence i's j-th proposal gains ``a_i^j``) are taken
+in order of gain, and the best prefix wins, which may be the empty one: speculation off
+when verifying extra tokens costs more than they return (large batches). A sequence
+whose draft keeps failing drops to 0 and is probed with one token every
+``probe_interval`` steps, so it can come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("static", "adaptive")
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Discounted counts of accepted and rejected proposals of one sequence."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    steps_without_proposal: int = 0
+
+    def rate(self, prior: float, prior_weight: float = 1.0) -> float:
+        return (self.accepted + prior * prior_weight) / (self.accepted + self.rejected + prior_weight)
+
+    def observe(self, proposed: int, accepted: int, decay: float) -> None:
+        if proposed == 0:
+            self.steps_without_proposal += 1
+            return
+        self.steps_without_proposal = 0
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < proposed else 0)
+
+
+class LinearFit:
+    """Least squares ``y ~ w . x`` over a sliding window, in plain Python (3-4 features)."""
+
+    def __init__(self, num_features: int, window: int = 256, prior: list[float] | None = None) -> None:
+        self.n = num_features
+        self.window = window
+        self.samples: list[tuple[list[float], float]] = []
+        self.weights = list(prior) if prior else [0.0] * num_features
+
+    def add(self, x: list[float], y: float) -> None:
+        self.samples.append((x, y))
+        if len(self.samples) > self.window:
+            del self.samples[0]
+        if len(self.samples) >= 2 * self.n:
+            self._solve()
+
+    def predict(self, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x))
+
+    def _solve(self) -> None:
+        n = self.n
+        # Normal equations with a small ridge term: features are often collinear early on.
+        a = [[1e-9 * (i == j) for j in range(n)] for i in range(n)]
+        b = [0.0] * n
+        for x, y in self.samples:
+            for i in range(n):
+                b[i] += x[i] * y
+                for j in range(n):
+                    a[i][j] += x[i] * x[j]
+        w = _solve_linear(a, b)
+        if w is not None:
+            # Step time never shrinks with more work: negative slopes are noise.
+            self.weights = [max(v, 0.0) for v in w]
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-18:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                for j in range(c, n + 1):
+                    m[r][j] -= f * m[c][j]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+@dataclass
+class StepCostModel:
+    """Online model of a step's time; ``observe_*`` feed it measured seconds."""
+
+    target: LinearFit = field(default_factory=lambda: LinearFit(3, prior=[1e-3, 1e-5, 1e-4]))
+    draft: LinearFit = field(default_factory=lambda: LinearFit(3, prior=[5e-4, 1e-4, 1e-5]))
+
+    @staticmethod
+    def target_features(num_seqs: int, num_tokens: int) -> list[float]:
+        return [1.0, float(num_seqs), float(num_tokens)]
+
+    @staticmethod
+    def draft_features(passes: int, num_tokens: int) -> list[float]:
+        return [1.0, float(passes), float(num_tokens)]
+
+    def observe_target(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        self.target.add(self.target_features(num_seqs, num_tokens), seconds)
+
+    def observe_draft(self, passes: int, num_tokens: int, seconds: float) -> None:
+        self.draft.add(self.draft_features(passes, num_tokens), seconds)
+
+    def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
+        t = self.target.predict(self.target_features(num_seqs, fed_tokens + sum_k))
+        if sum_k:
+            t += self.draft.predict(self.draft_features(max_k, sum_k))
+        return t
+
+
+@dataclass
+class SpeculationPolicy:
+    kind: str = "static"
+    k_max: int = 4
+    disable_by_batch_size: int | None = None
+    prior_acceptance: float = 0.6
+    decay: float = 0.9               # about the last ten observations count
+    probe_interval: int = 8
+    cost: StepCostModel = field(default_factory=StepCostModel)
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise ValueError(f"speculation_policy must be one of {POLICIES}, got {self.kind!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"acceptance decay must be in (0, 1], got {self.decay}")
+
+    def choose(self, caps: list[int], estimates: list[AcceptanceEstimate], fed_tokens: int) -> list[int]:
+        """k_i per sequence given each one's cap (what max_tokens, max_model_len and the
+        draft's window allow) and acceptance estimate; ``fed_tokens``: tokens the batch
+        feeds the target besides proposals."""
+        n = len(caps)
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
+            return [0] * n
+        if self.kind == "static":
+            return list(caps)
+        rates = [e.rate(self.prior_acceptance) for e in estimates]
+        chosen = self._best_prefix(caps, rates, fed_tokens)
+        for i in range(n):
+            # Probe sequences that have gone quiet, so a recovering draft is noticed.
+            if chosen[i] == 0 and caps[i] > 0 and estimates[i].steps_without_proposal >= self.probe_interval:
+                chosen[i] = 1
+        return chosen
+
+    def _best_prefix(self, caps: list[int], rates: list[float], fed_tokens: int) -> list[int]:
+        """For each number of draft passes m, take candidate tokens (j <= m) in order of
+        gain and keep the prefix with the best expected tokens per second; the pass count
+        is fixed per search because its cost is not per token."""
+        n = len(caps)
+        # Candidate j of sequence i gains a_i^j expected tokens; gains fall with j, so
+        # sorting keeps each sequence's candidates in order.
+        cands = sorted(((rates[i] ** j, j, i) for i in range(n) for j in range(1, caps[i] + 1)), reverse=True)
+        cost = self.cost
+        best_rate = n / max(cost.step_time(n, fed_tokens, 0, 0), 1e-12)
+        best: list[tuple[float, int, int]] = []
+        # With m passes fixed, step time is linear in the proposed tokens: base + per_token * sum_k.
+        per_token = cost.step_time(n, fed_tokens, 2, 1) - cost.step_time(n, fed_tokens, 1, 1)
+        for m in range(1, max(caps, default=0) + 1):
+            base = cost.step_time(n, fed_tokens, 1, m) - per_token
+            usable = [c for c in cands if c[1] <= m]
+            gain, sum_k = float(n), 0
+            for idx, (g, _, _) in enumerate(usable):
+                gain += g
+                sum_k += 1
+                rate = gain / max(base + per_token * sum_k, 1e-12)
+                if rate > best_rate:
+                    best_rate, best = rate, usable[:idx + 1]
+        chosen = [0] * n
+        for _, _, i in best:
+            chosen[i] += 1
+        return chosen

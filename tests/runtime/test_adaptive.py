@@ -1,0 +1,127 @@
+"""Adaptive speculation on real models: k_i climbs to k_max when the draft is always
+right, falls to 0 (with probes) when it is never right, and greedy output never changes.
+Plus the metrics on Ray's metrics API."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import hf_greedy
+from runtime.config import RuntimeConfig
+from runtime.driver import DriverCore
+from scheduler.sampling_params import SamplingParams
+from scheduler.speculation_policy import StepCostModel
+
+K = 4
+
+
+def cheap_draft_cost() -> StepCostModel:
+    """A controlled cost model in which drafting is cheap next to verifying, frozen so the
+    test does not depend on this machine's timings."""
+    c = StepCostModel()
+    c.target.weights = [2e-3, 1e-5, 2e-5]
+    c.draft.weights = [5e-4, 1e-4, 1e-5]
+    c.observe_target = c.observe_draft = lambda *a: None
+    return c
+
+
+def run_spying(cfg, prompts, max_tokens, cost=None):
+    drv = DriverCore(cfg, backend="local")
+    if cost is not None:
+        drv.scheduler.policy.cost = cost
+    ks_per_step: list[list[int]] = []
+    orig = drv.scheduler.update
+
+    def spy(step, results, seconds=0.0):
+        ks_per_step.append([s.step_k for s in step.seqs])
+        return orig(step, results, seconds)
+
+    drv.scheduler.update = spy
+    try:
+        reply = drv.submit(prompts, [SamplingParams(max_tokens=max_tokens, temperature=0.0)] * len(prompts))
+        outs = drv.wait(reply.request_ids, timeout=300)
+        return outs, ks_per_step, drv.metrics()
+    finally:
+        drv.shutdown()
+
+
+def prompts():
+    return [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 6, 10, 15)]
+
+
+def test_identical_draft_climbs_to_k_max(llama_pair):
+    t, _ = llama_pair
+    cfg = RuntimeConfig(target=t, draft=t, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
+                        speculation_policy="adaptive")
+    outs, ks, m = run_spying(cfg, prompts(), 40, cheap_draft_cost())
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 40)
+    assert m["acceptance_rate"] == 1.0
+    # After a few steps every sequence proposes k_max (until max_tokens caps it at the end).
+    assert all(k == K for step in ks[3:6] for k in step)
+
+
+def test_unrelated_draft_falls_to_zero_with_probes(llama_pair, tmp_path):
+    t, _ = llama_pair
+    torch.manual_seed(123)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "random")
+    rcfg = RuntimeConfig(target=t, draft=str(tmp_path / "random"), num_speculative_tokens=K, block_size=4,
+                         device="cpu", dtype="float32", speculation_policy="adaptive")
+    outs, ks, m = run_spying(rcfg, prompts(), 48, cheap_draft_cost())
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 48)
+    assert m["acceptance_rate"] < 0.1
+    # Within 6 steps every sequence stops speculating; afterwards only 1-token probes remain.
+    late = [k for step in ks[6:] for k in step]
+    assert max(late) <= 1
+    assert sum(late) <= len(late) / 4
+    assert m["num_spec_off_steps"] > 0
+
+
+def test_learned_cost_model_keeps_output_exact(llama_pair):
+    t, d = llama_pair
+    cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
+                        speculation_policy="adaptive")
+    outs, ks, m = run_spying(cfg, prompts(), 30)
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 30)
+    assert len(m["acceptance_by_position"]) >= 1 and m["mean_verify_s"] > 0
+
+
+def test_metrics_reach_rays_prometheus_endpoint(ray_session, llama_pair):
+    from runtime import SpecRuntime
+
+    t, d = llama_pair
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", name="metrics-test"))
+    port = ray_session._private.worker.global_worker.node.metrics_export_port
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("ray_specray_") and 'driver="metrics-test"' in line and "worker=" not in line:
+                out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def wait_for(pred, what):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            got = scrape()
+            if pred(got):
+                return got
+            time.sleep(1)
+        raise AssertionError(f"metrics never showed {what}: {got}")
+
+    try:
+        rt.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
+        first = wait_for(lambda g: g.get("ray_specray_num_emitted_tokens_total", 0) >= 8, "the first request")
+        assert "ray_specray_acceptance_rate" in first and "ray_specray_mean_k" in first
+        rt.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
+        wait_for(lambda g: g.get("ray_specray_num_emitted_tokens_total", 0) >= 16, "the values moving")
+    finally:
+        rt.shutdown()

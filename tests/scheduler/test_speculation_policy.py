@@ -1,0 +1,95 @@
+"""The speculation policy in isolation: acceptance estimates, the online cost model, and
+goodput-based choices under a controlled cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.speculation_policy import AcceptanceEstimate, LinearFit, SpeculationPolicy, StepCostModel
+
+
+def est(accepted: float, rejected: float) -> AcceptanceEstimate:
+    return AcceptanceEstimate(accepted=accepted, rejected=rejected)
+
+
+def controlled_cost(t_tok: float, d_pass: float = 5e-5, d_tok: float = 1e-5) -> StepCostModel:
+    """Target: 1 ms + t_tok per token scored; draft: 0.1 ms + d_pass per pass + d_tok per token."""
+    c = StepCostModel()
+    c.target.weights = [1e-3, 0.0, t_tok]
+    c.draft.weights = [1e-4, d_pass, d_tok]
+    return c
+
+
+def test_acceptance_estimate_counts_a_truncated_run_as_one_rejection():
+    e = AcceptanceEstimate()
+    e.observe(proposed=4, accepted=4, decay=1.0)
+    e.observe(proposed=4, accepted=1, decay=1.0)
+    assert (e.accepted, e.rejected) == (5, 1)
+    assert e.rate(prior=0.5, prior_weight=0.0) == pytest.approx(5 / 6)
+    e.observe(proposed=0, accepted=0, decay=1.0)
+    assert e.steps_without_proposal == 1
+
+
+def test_linear_fit_recovers_a_cost_model():
+    fit = LinearFit(3)
+    for n in range(1, 30):
+        for tokens in (n, 2 * n, 5 * n):
+            fit.add([1.0, n, tokens], 0.002 + 0.0001 * n + 0.00003 * tokens)
+    assert fit.weights == pytest.approx([0.002, 0.0001, 0.00003], rel=1e-6, abs=1e-9)
+
+
+def test_static_policy_uses_the_caps_and_disable_by_batch_size():
+    p = SpeculationPolicy("static", 4, disable_by_batch_size=8)
+    assert p.choose([4, 2, 0], [est(0, 9)] * 3, fed_tokens=3) == [4, 2, 0]
+    assert p.choose([4] * 8, [est(9, 0)] * 8, fed_tokens=8) == [0] * 8
+
+
+def test_adaptive_gives_good_drafts_k_max_and_bad_drafts_nothing():
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=1e-5))
+    good, bad = est(50, 1), est(0, 50)
+    assert p.choose([4, 4], [good, bad], fed_tokens=2) == [4, 0]
+
+
+def test_goodput_turns_speculation_off_at_large_batch_and_on_again():
+    # Scoring a token costs 50 us: cheap next to the 1 ms step at batch 2, ruinous at 256.
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=5e-5))
+    mid = est(6, 4)   # a_i ~ 0.6
+    small = p.choose([4] * 2, [mid] * 2, fed_tokens=2)
+    large = p.choose([4] * 256, [mid] * 256, fed_tokens=256)
+    assert sum(small) > 0
+    assert large == [0] * 256
+    again = p.choose([4] * 2, [mid] * 2, fed_tokens=2)
+    assert again == small
+
+
+def test_quiet_sequences_are_probed():
+    p = SpeculationPolicy("adaptive", 4, probe_interval=3, cost=controlled_cost(t_tok=1e-5))
+    bad = est(0, 50)
+    assert p.choose([4], [bad], fed_tokens=1) == [0]
+    bad.steps_without_proposal = 3
+    assert p.choose([4], [bad], fed_tokens=1) == [1]
+    assert p.choose([0], [bad], fed_tokens=1) == [0]    # never past the cap
+
+
+def test_choice_maximises_goodput_against_brute_force():
+    import itertools
+
+    cost = controlled_cost(t_tok=5e-5, d_pass=3e-4)
+    p = SpeculationPolicy("adaptive", 3, probe_interval=10**9, cost=cost)
+    ests = [est(9, 1), est(3, 3), est(1, 6)]
+    caps = [3, 3, 2]
+    rates = [e.rate(p.prior_acceptance) for e in ests]
+
+    def goodput(ks):
+        gain = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
+        return gain / cost.step_time(3, 3, sum(ks), max(ks))
+
+    best = max(goodput(ks) for ks in itertools.product(*(range(c + 1) for c in caps)))
+    assert goodput(p.choose(caps, ests, fed_tokens=3)) == pytest.approx(best, rel=0.02)
+
+
+def test_bad_policy_settings_are_refused():
+    with pytest.raises(ValueError, match="speculation_policy"):
+        SpeculationPolicy("sometimes")
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculationPolicy("static", 4, disable_by_batch_size=0)
