@@ -32,6 +32,8 @@ class BenchSettings:
     prompt_bytes: int = 160
     block_size: int = 16
     progress: bool = True
+    policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft runs
+    colocate: bool = False                    # specray's workers inside the driver's process
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        return (self.system, self.proposer, self.batch_size, self.mode)
+        return (self.system, self.proposer, self.batch_size, self.mode, self.policy)
 
     def finish(self) -> None:
         self.tokens_per_s = statistics.median(self.samples)
@@ -156,31 +158,45 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(s: BenchSettings) -> dict:
+def random_copy(model_dir: str, out_dir: str, seed: int = 0) -> str:
+    """The same architecture with freshly initialised weights: a deliberately bad draft."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     from tqdm import tqdm
 
     from runtime import RuntimeConfig, SamplingParams, SpecRuntime
     from runtime.stdlib_corpus import held_out_prompts
     from workers.model_loader import load_tokenizer
 
+    # Ray runs actors single-threaded (OMP_NUM_THREADS=1); Hugging Face here gets the same.
+    torch.set_num_threads(1)
     tok = load_tokenizer(s.target)
     texts = held_out_prompts(max(s.batch_sizes), s.prompt_bytes)
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     hf = HFRunner(s)
 
     runtimes = {}
-    for proposer in ("draft", "ngram", "none"):
-        runtimes[proposer] = SpecRuntime(RuntimeConfig(
+    spec_configs = [("draft", pol) for pol in s.policies] + [("ngram", "static"), ("none", "static")]
+    for proposer, policy in spec_configs:
+        runtimes[(proposer, policy)] = SpecRuntime(RuntimeConfig(
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
             num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
-            max_num_seqs=max(s.batch_sizes)))
-    # One configuration = (system, proposer, batch size, mode).
-    plan: list[tuple[str, str, int, str]] = []
+            max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate))
+    # One configuration = (system, proposer, batch size, mode, policy).
+    plan: list[tuple[str, str, int, str, str]] = []
     for b in s.batch_sizes:
-        for proposer in ("draft", "ngram", "none"):
-            plan.append(("specray", proposer, b, "greedy"))
-        plan.append(("hf", "none", b, "greedy"))
-    plan += [("hf", "assisted", 1, "greedy"), ("hf", "assisted", 1, "sampled"), ("specray", "draft", 1, "sampled")]
+        for proposer, policy in spec_configs:
+            plan.append(("specray", proposer, b, "greedy", policy))
+        plan.append(("hf", "none", b, "greedy", "static"))
+    plan += [("hf", "assisted", 1, "greedy", "static"), ("hf", "assisted", 1, "sampled", "static"),
+             ("specray", "draft", 1, "sampled", s.policies[0])]
     runs = {key: Run(*key) for key in plan}
     check = OutputCheck()
     phase = {"draft_s": [], "verify_none_s": []}
@@ -192,13 +208,13 @@ def run_bench(s: BenchSettings) -> dict:
         bar = tqdm(total=len(plan) * s.repeats, desc="bench", disable=not s.progress, unit="run")
         for rep in range(s.repeats):
             for key in plan:
-                system, proposer, b, mode = key
-                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode}")
+                system, proposer, b, mode, policy = key
+                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode} {policy}")
                 run = runs[key]
                 batch = prompts[:b]
                 temp = s.temperature if mode == "sampled" else 0.0
                 if system == "specray":
-                    rt = runtimes[proposer]
+                    rt = runtimes[(proposer, policy)]
                     before = rt.metrics()
                     params = SamplingParams(max_tokens=s.max_tokens, temperature=temp, seed=rep if temp else None)
                     t0 = time.perf_counter()
@@ -210,7 +226,7 @@ def run_bench(s: BenchSettings) -> dict:
                     run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
                     run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
                     run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
-                    if b == 1 and mode == "greedy":
+                    if b == 1 and mode == "greedy" and policy == "static":
                         steps = after["num_steps"] - before["num_steps"]
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
@@ -225,7 +241,7 @@ def run_bench(s: BenchSettings) -> dict:
                         run.seq_steps += max(1, calls - 1)
                 run.samples.append(sum(len(g) for g in gen) / dt)
                 if mode == "greedy":
-                    check.check(f"{system}/{proposer}/b{b}", list(range(b)), gen)
+                    check.check(f"{system}/{proposer}/{policy}/b{b}", list(range(b)), gen)
                 bar.update(1)
         bar.close()
     finally:
@@ -233,11 +249,11 @@ def run_bench(s: BenchSettings) -> dict:
             rt.shutdown()
 
     for run in runs.values():
+        # Assisted generation's acceptance is not observable from outside; its mean
+        # accepted length is tokens per target forward call.
         run.finish()
-        if run.proposer == "assisted" and run.mean_accepted_length:
-            run.acceptance_rate = max(0.0, (run.mean_accepted_length - 1) / s.k)
-    spec1 = runs[("specray", "draft", 1, "greedy")]
-    none1 = runs[("specray", "none", 1, "greedy")]
+    spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0])]
+    none1 = runs[("specray", "none", 1, "greedy", "static")]
     alpha = spec1.acceptance_rate or 0.0
     c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
     bound = analytic_speedup(alpha, c, s.k)
@@ -246,7 +262,8 @@ def run_bench(s: BenchSettings) -> dict:
         "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
         "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
-        "device": str(hf.device), "target": s.target, "draft": s.draft,
+        "colocate": s.colocate, "torch_threads": torch.get_num_threads(),
+        "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "runs": [_public(r) for r in runs.values()],
     }
     return result
@@ -275,7 +292,9 @@ def _plot(result: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     runs = [r for r in result["runs"] if r["mode"] == "greedy"]
-    labels = sorted({f"{r['system']}/{r['proposer']}" for r in runs})
+    for r in runs:
+        r["label"] = f"{r['system']}/{r['proposer']}" + (f"/{r['policy']}" if r["proposer"] == "draft" else "")
+    labels = sorted({r["label"] for r in runs})
     sizes = sorted({r["batch_size"] for r in runs})
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(labels)
@@ -283,7 +302,7 @@ def _plot(result: dict, path: Path) -> Path | None:
         xs, ys, err = [], [], [[], []]
         for j, b in enumerate(sizes):
             for r in runs:
-                if f"{r['system']}/{r['proposer']}" == label and r["batch_size"] == b:
+                if r["label"] == label and r["batch_size"] == b:
                     xs.append(j + i * width)
                     ys.append(r["tokens_per_s"])
                     err[0].append(r["tokens_per_s"] - r["tokens_per_s_min"])
@@ -291,7 +310,7 @@ def _plot(result: dict, path: Path) -> Path | None:
         ax.bar(xs, ys, width, yerr=err, label=label, capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"batch {b}" for b in sizes])
     ax.set_ylabel("tokens/s (median, min-max)")
-    ax.set_title(f"specray bench: k={result['k']}, alpha={result['alpha']:.2f}, c={result['c']:.2f}, "
+    ax.set_title(f"specray bench: {result['draft_label']} draft, k={result['k']}, alpha={result['alpha']:.2f}, c={result['c']:.2f}, "
                  f"{result['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -301,13 +320,13 @@ def _plot(result: dict, path: Path) -> Path | None:
 
 
 def format_table(result: dict) -> str:
-    head = f"{'system':8} {'proposer':9} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
+    head = f"{'system':8} {'proposer':9} {'policy':8} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
-        lines.append(f"{r['system']:8} {r['proposer']:9} {r['mode']:8} {r['batch_size']:>5} "
+        lines.append(f"{r['system']:8} {r['proposer']:9} {r['policy']:8} {r['mode']:8} {r['batch_size']:>5} "
                      f"{r['tokens_per_s']:>10.1f} {spread:>17} {acc:>7} {mal:>8}")
     lines.append("")
     lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 
 from runtime import serve
@@ -37,7 +38,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from runtime.bench import BenchSettings, format_table, run_bench, write_outputs
+    from runtime.bench import BenchSettings, format_table, random_copy, run_bench, write_outputs
 
     target = args.target or builtin_model("tiny-target")
     draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
@@ -46,10 +47,15 @@ def cmd_bench(args) -> int:
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
-                      device=args.device, dtype=args.dtype, out_dir=args.out)
+                      device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate)
+    s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
-    result = run_bench(s)
+    label = "built-in" if args.draft is None and args.target is None else "given"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_draft:
+            s.draft, label = random_copy(draft, tmp), "random (bad)"
+        result = run_bench(s, label)
     jpath, ppath = write_outputs(result, s.out_dir)
     print(format_table(result))
     print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
@@ -85,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--out", default="bench_out")
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (about a minute on a CPU)")
+    b.add_argument("--policy", default="static", choices=["static", "adaptive", "both"],
+                   help="speculation policy of the draft runs")
+    b.add_argument("--colocate", action="store_true", help="specray's workers inside the driver's process")
+    b.add_argument("--random-draft", action="store_true",
+                   help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)
     serve.add_parser(sub)
     args = parser.parse_args(argv)

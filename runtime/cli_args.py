@@ -30,6 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="static", choices=["static", "adaptive"],
                    help="speculation policy: fixed k, or per-sequence k_i chosen for goodput")
     p.add_argument("--disable-by-batch-size", type=int, default=None)
+    p.add_argument("--colocate", action="store_true",
+                   help="run draft and target inside the driver's actor (one process, no hops per step)")
     p.add_argument("--num-draft-workers", type=int, default=1)
     p.add_argument("--num-target-workers", type=int, default=1)
     p.add_argument("--draft-resources", type=json.loads, default={},
@@ -60,4 +62,5 @@ def runtime_config(args, **extra):
         num_draft_workers=args.num_draft_workers, num_target_workers=args.num_target_workers,
         draft_resources=args.draft_resources, target_resources=args.target_resources,
         placement_strategy=args.placement_strategy, ray_address=args.ray_address,
-        speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, **extra)
+        speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, colocate=args.colocate,
+        **extra)

@@ -28,11 +28,19 @@ class SpecRuntime:
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
         self._owns_ray = ray_env.acquire(config.ray_address, config.namespace)
         opts = {"num_cpus": 0}
+        backend = "ray"
+        if config.colocate:
+            # One process hosts driver, draft and target: it asks for the target's resources.
+            from runtime.worker_actors import actor_options
+
+            gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+            opts = actor_options(config.target_resources, gpu)
+            backend = "local"
         if config.name:
             opts.update(name=config.name, namespace=config.namespace)
         if config.detached:
             opts["lifetime"] = "detached"
-        self._driver = RemoteDriver.options(**opts).remote(config)
+        self._driver = RemoteDriver.options(**opts).remote(config, backend, True)
         self._attached = False
         self._closed = False
         try:

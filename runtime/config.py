@@ -27,6 +27,7 @@ class RuntimeConfig:
     num_target_workers: int = 1
     draft_resources: dict[str, float] = field(default_factory=dict)
     target_resources: dict[str, float] = field(default_factory=dict)
+    colocate: bool = False                   # draft and target run inside the driver's actor: no hops
     placement_strategy: str = "SPREAD"
     placement_timeout_s: float = 300.0       # an autoscaler may need minutes to add nodes
     ray_address: str | None = None

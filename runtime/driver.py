@@ -41,7 +41,10 @@ class _Request:
 
 
 class DriverCore:
-    def __init__(self, config: RuntimeConfig, backend: str = "ray") -> None:
+    def __init__(self, config: RuntimeConfig, backend: str = "ray", export_metrics: bool | None = None) -> None:
+        """``backend``: "ray" (workers are actors) or "local" (workers in this process, as
+        in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics API
+        (default: with the ray backend)."""
         self.config = config
         tcfg = model_loader.load_config(config.target)
         self.vocab_size = tcfg.vocab_size
@@ -80,7 +83,7 @@ class DriverCore:
         self._stop = False
         self._last_error: str | None = None
         self._exporter = None
-        if backend == "ray":
+        if export_metrics if export_metrics is not None else backend == "ray":
             from runtime.metrics_export import RayMetrics
 
             self._exporter = RayMetrics(config.name or "anonymous")
