@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-resources", type=json.loads, default={},
                    help='JSON, e.g. \'{"specray_target": 1}\'')
     p.add_argument("--placement-strategy", default="SPREAD", choices=["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"])
+    p.add_argument("--placement-timeout", type=float, default=300.0,
+                   help="seconds to wait for the cluster (or its autoscaler) to place every worker")
     p.add_argument("--ray-address", default=None,
                    help="cluster to join (default: this process's Ray, else RAY_ADDRESS, else a private local Ray)")
 
@@ -61,6 +63,7 @@ def runtime_config(args, **extra):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
         num_draft_workers=args.num_draft_workers, num_target_workers=args.num_target_workers,
         draft_resources=args.draft_resources, target_resources=args.target_resources,
-        placement_strategy=args.placement_strategy, ray_address=args.ray_address,
+        placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout,
+        ray_address=args.ray_address,
         speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, colocate=args.colocate,
         **extra)

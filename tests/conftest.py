@@ -109,6 +109,7 @@ def ray_head():
     log = open(os.path.join(tmp, "head.log"), "w")
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", f"--port={port}",
+         f"--ray-client-server-port={free_port()}",
          f"--dashboard-port={dash}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=2",
          f"--temp-dir={tmp}", "--object-store-memory=150000000", "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,13 +126,61 @@ def ray_head():
             time.sleep(1)
     client_env = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
     yield f"127.0.0.1:{port}", url, client_env
-    import signal
+    stop_ray_head(proc, tmp)
+    log.close()
 
-    os.killpg(proc.pid, signal.SIGTERM)
+
+def ray_pids(sid: int, tmp: str) -> list[int]:
+    """Processes of one test cluster: those in the head's session (the head was started
+    with start_new_session, and Ray never leaves the session, although it puts each worker
+    process in a process group of its own) or carrying the cluster's RAY_TMPDIR."""
+    needle = f"RAY_TMPDIR={tmp}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue    # already dead, not yet reaped
+            if os.getsid(pid) == sid:
+                pids.append(pid)
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def stop_ray_head(proc, tmp: str) -> list[int]:
+    """Stop a head started with ``ray start --head --block`` (start_new_session=True) and
+    everything of its cluster, by pid; returns what could not be stopped. The head, GCS,
+    raylets and monitor share its process group, worker processes have groups of their
+    own within its session; ``ray start --block``, the GCS and the monitor outlive SIGTERM."""
+    import signal
+    import time
+
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    time.sleep(2)
+    deadline = time.time() + 30
+    while True:     # until nothing is left (a raylet may start a worker meanwhile)
+        pids = ray_pids(proc.pid, tmp)
+        if not pids or time.time() > deadline:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    proc.wait(timeout=30)
+    return pids
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
