@@ -25,6 +25,7 @@ Runs unchanged inside ``ray job submit --working-dir . -- specray batch ...``: t
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -165,6 +166,8 @@ class Output:
         if path == "-":
             self.file, self.tmp = sys.stdout, None
             return
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
         directory = os.path.dirname(os.path.abspath(path))
         fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
         umask = os.umask(0)
@@ -237,7 +240,8 @@ def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str]
     from tqdm import tqdm
 
     chunks = iter([items[i:i + chunk_size] for i in range(0, len(items), chunk_size)])
-    bar = tqdm(total=len(items), unit="req", file=sys.stderr, disable=not progress or not items, dynamic_ncols=True)
+    bar = tqdm(total=len(items), unit="req", file=sys.stderr, disable=not progress or not items, dynamic_ncols=True,
+               mininterval=0.1 if sys.stderr.isatty() else 10.0)    # in a job's log: a line now and then
     pool = ThreadPoolExecutor(in_flight, thread_name_prefix="specray-batch")
     running: deque = deque()
     done = tokens = 0
@@ -290,12 +294,12 @@ def run(args) -> int:
         reject(line, reason)
         raise _Refused
 
-    for line, reason in errors:
-        reject(line, reason)
     try:
         out = Output(args.output)
     except OSError as e:
-        raise ValueError(f"cannot write --output: {e}") from None
+        raise ValueError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+    for line, reason in errors:
+        reject(line, reason)
     rt = None
     t0 = time.perf_counter()
     try:
@@ -336,11 +340,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def _json_type(value) -> str:
-    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
-                    (dict, "object"), (type(None), "null")):
-        if isinstance(value, t):
-            return name
-    return type(value).__name__
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+             type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from runtime import serve
+from runtime import batch, serve
 from runtime.cli_args import add_model_args, builtin_model, runtime_config
 
 def cmd_generate(args) -> int:
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)
     serve.add_parser(sub)
+    batch.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,245 @@
+"""`specray batch`: a JSONL file in, one output line per good input line out, malformed
+lines reported by number; as a subprocess with its own Ray, and as a real `ray job submit`
+to a head started by the test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import ROOT, hf_greedy
+from runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
+                           run)
+from runtime.batch import main as batch_main
+from runtime.request_output import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+MODEL_FLAGS = ["-k", "3", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+               "--no-progress"]
+
+# (line text, the reason's key words or None for a good line); blank lines are skipped
+LINES = [
+    ('{"prompt": [1, 2, 3, 4], "id": "first"}', None),
+    ("", None),
+    ('{"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0.9, "top_k": 20, "seed": 11}', None),
+    ('{"prompt": [1, 2, 3', "bad JSON"),
+    ("[1, 2, 3]", "expected a JSON object"),
+    ('{"prompt": [4, 5], "colour": "red"}', 'unknown field(s) "colour"'),
+    ('{"prompt": [4, 5], "max_tokens": 0}', "max_tokens must be >= 1"),
+    ("   ", None),
+    ('{"prompt": [3, 97, 4]}', "token id 97 is outside the vocabulary"),
+    ('{"prompt": "def f(x):\u2028 return x"}', "no tokenizer"),   # U+2028 splits no line
+    ('{"max_tokens": 3}', 'missing "prompt"'),
+    ('{"prompt": [9, 8, 7, 6, 5], "id": 7, "max_tokens": 9}', None),
+    ('{"prompt": [2, 4, 6], "stop_token_ids": [41]}', None),   # greedy: 30, 19, 22, 41, ...
+]
+BAD = {i + 1: why for i, (text, why) in enumerate(LINES) if why}
+GOOD = [i + 1 for i, (text, why) in enumerate(LINES) if text.strip() and not why]
+
+
+def write_input(path) -> str:
+    path.write_text("".join(text + "\n" for text, _ in LINES), encoding="utf-8")
+    return str(path)
+
+
+def local_env() -> dict:
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="srb", dir="/tmp"))
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def check_outputs(records: list[dict], target: str, max_tokens: int) -> None:
+    assert [r["line"] for r in records] == GOOD
+    by_line = {r["line"]: r for r in records}
+    greedy = [n for n in GOOD if n != 3]
+    specs = {n: json.loads(LINES[n - 1][0]) for n in GOOD}
+    for n in GOOD:
+        r, spec = by_line[n], specs[n]
+        assert r["prompt_token_ids"] == spec["prompt"]
+        assert r.get("id", "absent") == spec.get("id", "absent")
+        assert r["text"] == ""                      # no tokenizer
+        assert r["num_accepted_tokens"] <= r["num_draft_tokens"]
+    assert len(by_line[3]["token_ids"]) == 5 and by_line[3]["finish_reason"] == "length"
+    assert all(0 <= t < 97 for t in by_line[3]["token_ids"])
+    for n in greedy:
+        spec, r = specs[n], by_line[n]
+        want = hf_greedy(target, [spec["prompt"]], spec.get("max_tokens", max_tokens))[0]
+        stops = [i for i, tok in enumerate(want) if tok in spec.get("stop_token_ids", [])]
+        if stops:
+            want = want[:stops[0] + 1]
+        assert r["token_ids"] == want
+        assert r["finish_reason"] == ("stop" if stops else "length")
+    assert by_line[13]["finish_reason"] == "stop" and by_line[13]["token_ids"][-1] == 41
+    assert len(by_line[12]["token_ids"]) == 9 and len(by_line[1]["token_ids"]) == max_tokens
+
+
+def reported(stderr: str) -> dict[int, str]:
+    out = {}
+    for ln in stderr.splitlines():
+        if ln.startswith("line ") and ": " in ln:
+            num, reason = ln[5:].split(": ", 1)
+            out[int(num)] = reason
+    return out
+
+
+def test_batch_skips_or_fails_on_malformed_lines(llama_pair, tmp_path, ray_session, capsys):
+    t, d = llama_pair
+    inp = write_input(tmp_path / "in.jsonl")
+    flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--max-tokens", "8"]
+    skip_out, fail_out = tmp_path / "out.jsonl", tmp_path / "fail.jsonl"
+    # `--on-error skip` as users run it: a subprocess with its own private Ray ...
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.batch", *flags, "--output", str(skip_out)], cwd=ROOT,
+                            env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # ... and meanwhile `--on-error fail` in this process, on the tests' shared Ray.
+    assert batch_main(flags + ["--output", str(fail_out), "--on-error", "fail"]) == 2
+    fe = capsys.readouterr().err
+    assert sorted(reported(fe)) == sorted(BAD), fe[-3000:]
+    assert "nothing generated" in fe
+    so, se = proc.communicate(timeout=240)
+
+    assert proc.returncode == 0, se[-3000:]
+    got = reported(se)
+    assert sorted(got) == sorted(BAD), se[-3000:]
+    for n, why in BAD.items():
+        assert why in got[n], (n, got[n])
+    records = [json.loads(ln) for ln in skip_out.read_text().splitlines()]
+    check_outputs(records, t, 8)
+    summary = se.strip().splitlines()[-1]
+    assert f"{len(GOOD)} done, {len(BAD)} skipped" in summary and "acceptance_rate=" in summary
+    assert so == ""
+    assert {p.name for p in tmp_path.iterdir()} == {"in.jsonl", "out.jsonl"}   # no fail.jsonl, no temp file
+
+
+def test_batch_as_a_ray_job(ray_head, llama_pair, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    _, url, env = ray_head
+    t, d = llama_pair
+    inp, out = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    job_id = f"specray-batch-{os.getpid()}"
+    entry = ["specray", "batch", "--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--output", str(out),
+             "--max-tokens", "8"]
+    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", url,
+                        "--submission-id", job_id, "--working-dir", str(ROOT), "--", *entry],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    logs = p.stdout + p.stderr
+    assert p.returncode == 0, logs[-4000:]
+    assert JobSubmissionClient(url).get_job_status(job_id) == JobStatus.SUCCEEDED
+    assert f"{len(GOOD)} done, {len(BAD)} skipped" in logs
+    assert sorted(reported(logs)) == sorted(BAD), logs[-4000:]
+    check_outputs([json.loads(ln) for ln in out.read_text().splitlines()], t, 8)
+
+
+class FakeRuntime:
+    """Admits a call whole or refuses it naming its first bad request, like the driver."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        time.sleep(0.01 * (8 - prompts[0][0] % 8))     # later chunks finish first
+        for i, p in enumerate(prompts):
+            if 99 in p:
+                raise ValueError(f"request {i}: prompt token id 99 is outside the vocabulary [0, 97)")
+        return [RequestOutput(str(i), p, [1], "", "length") for i, p in enumerate(prompts)]
+
+
+def test_generate_chunk_drops_each_refused_line_and_resubmits_the_rest():
+    items = [Item(n, p, SamplingParams()) for n, p in enumerate([[1], [99], [2], [99, 1], [3]], start=1)]
+    rejected = []
+    rt = FakeRuntime()
+    done = generate_chunk(rt, items, lambda line, why: rejected.append((line, why)))
+    assert [it.line for it, _ in done] == [1, 3, 5]
+    assert [o.prompt_token_ids for _, o in done] == [[1], [2], [3]]
+    assert rejected == [(2, "prompt token id 99 is outside the vocabulary [0, 97)"),
+                        (4, "prompt token id 99 is outside the vocabulary [0, 97)")]
+    assert rt.calls == 3
+    assert generate_chunk(rt, [Item(1, [99], SamplingParams())], lambda *a: None) == []
+
+
+def test_generate_all_writes_in_input_order_while_chunks_overlap(tmp_path):
+    items = [Item(n, [n] if n % 5 else [99], SamplingParams()) for n in range(1, 15)]
+    out = Output(str(tmp_path / "out.jsonl"))
+    rejected = []
+    done, tokens = generate_all(FakeRuntime(), items, out, lambda line, why: rejected.append(line), chunk_size=3,
+                                in_flight=3, progress=False)
+    out.commit()
+    lines = [json.loads(ln)["line"] for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert lines == [n for n in range(1, 15) if n % 5] and (done, tokens) == (len(lines), len(lines))
+    assert sorted(rejected) == [5, 10]
+
+    def refuse(line, why):
+        raise _Refused
+    with pytest.raises(_Refused):
+        generate_all(FakeRuntime(), items, Output("-"), refuse, chunk_size=3, in_flight=2, progress=False)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"prompt": []}', "prompt is empty"),
+    ('{"prompt": ""}', "prompt is empty"),
+    ('{"prompt": [1, 2.0]}', "token ids must be ints, got number"),
+    ('{"prompt": [1, true]}', "token ids must be ints, got boolean"),
+    ('{"prompt": {"a": 1}}', "must be a string or a list of token ids, got object"),
+    ('{"prompt": [1], "temperature": -1}', "temperature"),
+    ('{"prompt": [1], "top_p": 0}', "top_p"),
+    ('{"prompt": [1], "stop_token_ids": 3}', "stop_token_ids"),
+    ('"just a string"', "expected a JSON object, got string"),
+])
+def test_parse_line_names_what_is_wrong(text, why):
+    with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+        parse_line(text, 1, {})
+
+
+def test_parse_line_merges_defaults_with_the_line():
+    item = parse_line('{"prompt": "a\u2028b", "top_k": 5, "id": null}', 3,
+                      dict(max_tokens=7, temperature=0.5, top_k=0))
+    assert item.prompt == "a\u2028b" and item.id is None and item.line == 3
+    assert (item.params.max_tokens, item.params.temperature, item.params.top_k) == (7, 0.5, 5)
+
+
+def test_read_input_numbers_physical_lines(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": [1]}\n\n\xff\xfe\n{"prompt": "a\xe2\x80\xa8b"}\n{"prompt": [2]}')
+    items, errors = read_input(str(path), {})
+    assert [(it.line, it.prompt) for it in items] == [(1, [1]), (4, "a\u2028b"), (5, [2])]
+    assert errors == [(3, "not valid UTF-8 at byte 0")]
+
+
+def test_output_file_appears_whole_or_not_at_all(tmp_path, capsys):
+    path = tmp_path / "out.jsonl"
+    out = Output(str(path))
+    out.write({"line": 1})
+    assert not path.exists() and len(list(tmp_path.iterdir())) == 1
+    out.commit()
+    out.discard()                               # after commit: nothing to do
+    assert path.read_text() == '{"line": 1}\n' and list(tmp_path.iterdir()) == [path]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    half = Output(str(tmp_path / "other.jsonl"))
+    half.write({"line": 2})
+    half.discard()
+    assert list(tmp_path.iterdir()) == [path]
+    std = Output("-")
+    std.write({"line": 3})
+    std.commit()
+    assert capsys.readouterr().out == '{"line": 3}\n'
+
+
+def test_add_parser_registers_the_subcommand():
+    parser = argparse.ArgumentParser(prog="specray")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["batch", "--input", "in.jsonl", "--output", "-", "--temperature", "0.7",
+                              "--stop-token-ids", "3,5", "--on-error", "fail", "-k", "2"])
+    assert args.func is run
+    assert (args.temperature, args.stop_token_ids, args.on_error) == (0.7, [3, 5], "fail")
+    assert args.num_speculative_tokens == 2
+    assert (args.max_tokens, args.chunk_size, args.target) == (128, 64, None)
