@@ -77,6 +77,8 @@ class SpecStats:
             "verify_s": self.verify_s,
             "num_draft_calls": self.num_draft_calls,
             "schedule_s": self.schedule_s,
+            # Merge, update and bookkeeping: what a step costs besides its worker calls.
+            "driver_overhead_s": max(self.busy_s - self.schedule_s - self.draft_s - self.verify_s, 0.0),
             "num_spec_off_steps": self.num_spec_off_steps,
             "mean_k": self.last_mean_k,
             "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],

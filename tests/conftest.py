@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models saved with save_pretrained, and one private Ray per session."""
+"""Shared fixtures: tiny models saved with save_pretrained, a private local Ray, and a real
+head node. Helpers live in specray_testing.py (test modules import them from there)."""
 
 from __future__ import annotations
 
@@ -10,49 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from specray_testing import free_port, make_pair, stop_ray_head  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
-              heads: int = 4, kv_heads: int = 2, max_len: int = 256, draft_max_len: int | None = None,
-              seed: int = 0, draft_noise: float = 0.0):
-    """A target and a draft sharing its embedding, first layer and head (so the draft
-    agrees with the target often but not always); returns their directories."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-
-    def config(n_layers, max_pos):
-        return cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=max_pos, bos_token_id=None, eos_token_id=None,
-                       pad_token_id=None, tie_word_embeddings=False)
-
-    torch.manual_seed(seed)
-    target = model_cls(config(layers, max_len))
-    with torch.no_grad():
-        # Sharper logits than the default init make greedy choices robust to float noise.
-        target.lm_head.weight.mul_(8.0)
-        # Damp the layers the draft lacks, so it agrees with the target most of the time.
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
-    draft = model_cls(config(1, draft_max_len or max_len))
-    sd = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
-    draft.load_state_dict(sd)
-    if draft_noise:
-        with torch.no_grad():
-            for p in draft.parameters():
-                p.add_(torch.randn_like(p) * draft_noise)
-    t_dir, d_dir = out_dir / f"{arch}-target", out_dir / f"{arch}-draft"
-    target.save_pretrained(t_dir)
-    draft.save_pretrained(d_dir)
-    return str(t_dir), str(d_dir)
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +35,7 @@ _RAY_TMP = tempfile.mkdtemp(prefix="srt", dir="/tmp")
 os.environ["RAY_TMPDIR"] = _RAY_TMP
 
 
-@pytest.fixture
-def ray_session():
+def _local_ray():
     """A private local Ray, started once and reused by every test that needs one (starting
     one takes 8-15 s here). Tests that need a multi-node cluster shut it down; the next
     user starts it again, so those tests sit together in one module."""
@@ -82,12 +47,14 @@ def ray_session():
     return ray
 
 
-def free_port() -> int:
-    import socket
+@pytest.fixture
+def ray_session():
+    return _local_ray()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+@pytest.fixture(scope="module")
+def ray_module():
+    return _local_ray()
 
 
 @pytest.fixture(scope="session")
@@ -116,12 +83,17 @@ def ray_head():
     url = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
     while True:
+        # Ready when the job server takes a job: the dashboard answers before its agent
+        # registers ("No available agent to submit job").
         try:
             urllib.request.urlopen(url + "/api/version", timeout=2)
+            from ray.job_submission import JobSubmissionClient
+
+            JobSubmissionClient(url).submit_job(entrypoint="true")
             break
         except Exception:
             if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
+                stop_ray_head(proc, tmp)
                 raise RuntimeError(f"ray head did not start; see {log.name}")
             time.sleep(1)
     client_env = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
@@ -129,89 +101,3 @@ def ray_head():
     stop_ray_head(proc, tmp)
     log.close()
 
-
-def ray_pids(sid: int, tmp: str) -> list[int]:
-    """Processes of one test cluster: those in the head's session (the head was started
-    with start_new_session, and Ray never leaves the session, although it puts each worker
-    process in a process group of its own) or carrying the cluster's RAY_TMPDIR."""
-    needle = f"RAY_TMPDIR={tmp}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue    # already dead, not yet reaped
-            if os.getsid(pid) == sid:
-                pids.append(pid)
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(pid)
-        except OSError:
-            pass
-    return pids
-
-
-def stop_ray_head(proc, tmp: str) -> list[int]:
-    """Stop a head started with ``ray start --head --block`` (start_new_session=True) and
-    everything of its cluster, by pid; returns what could not be stopped. The head, GCS,
-    raylets and monitor share its process group, worker processes have groups of their
-    own within its session; ``ray start --block``, the GCS and the monitor outlive SIGTERM."""
-    import signal
-    import time
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    time.sleep(2)
-    deadline = time.time() + 30
-    while True:     # until nothing is left (a raylet may start a worker meanwhile)
-        pids = ray_pids(proc.pid, tmp)
-        if not pids or time.time() > deadline:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-    proc.wait(timeout=30)
-    return pids
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The reference: transformers' own generate(do_sample=False), one prompt at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-        outs.append(out[0, len(p):].tolist())
-    return outs
-
-
-def run_local(cfg, prompts, params):
-    """Serve one batch on an in-process driver (the whole path but Ray); checks the pools
-    are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
-    from runtime.driver import DriverCore
-
-    drv = DriverCore(cfg, backend="local")
-    try:
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        reply = drv.submit(prompts, plist)
-        assert reply.error is None, reply.error
-        outs = drv.wait(reply.request_ids, timeout=600)
-        assert outs is not None
-        drv.scheduler.check_integrity()
-        assert all(p.num_used_blocks == 0 for p in drv.scheduler.target_pools + drv.scheduler.draft_pools)
-        return outs, drv.metrics()
-    finally:
-        drv.shutdown()

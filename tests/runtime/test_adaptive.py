@@ -10,7 +10,7 @@ import urllib.request
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import hf_greedy
+from specray_testing import hf_greedy
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams

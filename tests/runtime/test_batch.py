@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, hf_greedy
+from specray_testing import ROOT, hf_greedy
 from runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
                            run)
 from runtime.batch import main as batch_main

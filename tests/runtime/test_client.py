@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from specray_testing import hf_greedy
 from runtime import RequestOutput, RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def rt(ray_session, llama_pair):
+def rt(ray_module, llama_pair):
     t, d = llama_pair
     runtime = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4,
                                         device="cpu", dtype="float32", max_model_len=MAX_LEN, name="specray-test"))

@@ -27,7 +27,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT, free_port, hf_greedy, stop_ray_head
+from specray_testing import ROOT, free_port, hf_greedy, stop_ray_head
 
 CLUSTER_YAML = ROOT / "cluster.yaml"
 CLUSTER_DOC = ROOT / "docs" / "cluster.md"

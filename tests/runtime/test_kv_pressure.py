@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_local
+from specray_testing import hf_greedy, make_pair, run_local
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
@@ -45,8 +45,6 @@ def test_sequences_near_max_model_len_stop_with_length(llama_pair):
 def test_draft_shorter_window_turns_speculation_off(tmp_path):
     """Past the draft's max_position_embeddings a sequence decodes on the target alone
     (the seed's split) and still equals plain greedy decoding."""
-    from conftest import hf_greedy, make_pair
-
     t, d = make_pair(tmp_path, "llama", max_len=128, draft_max_len=24)
     prompt = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32")

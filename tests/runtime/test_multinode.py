@@ -9,7 +9,7 @@ import torch
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from conftest import hf_greedy
+from specray_testing import hf_greedy
 from runtime import RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 48

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, hf_greedy
+from specray_testing import ROOT, hf_greedy
 
 CLIENT = """
 import json, sys

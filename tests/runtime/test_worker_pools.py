@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, run_local
+from specray_testing import hf_greedy, run_local
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams

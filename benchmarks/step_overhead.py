@@ -1,0 +1,85 @@
+"""Per-step time of one runtime layout against another, side by side in one run.
+
+    python benchmarks/step_overhead.py [--target DIR --draft DIR] [--tokens 64] [--repeats 3]
+
+Layouts: co-located (driver, draft and target in one actor), single node (driver, draft
+and target actors on one node), and multi-node (a ray.cluster_utils.Cluster with the
+draft and the target on their own nodes). Each reports, per step at batch 1: wall time,
+the draft call, the verify call, and the driver's own overhead (scheduling, merge,
+update), medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> dict:
+    from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+
+    rt = SpecRuntime(RuntimeConfig(**cfg_kwargs))
+    try:
+        rt.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
+        rows = []
+        for r in range(repeats):
+            before = rt.metrics()
+            rt.generate([prompts[r % len(prompts)]], SamplingParams(max_tokens=tokens, temperature=0.0))
+            after = rt.metrics()
+            steps = after["num_steps"] - before["num_steps"]
+            per = {k: (after[k] - before[k]) / steps * 1e3 for k in
+                   ("busy_s", "draft_s", "verify_s", "schedule_s", "driver_overhead_s")}
+            per["tokens_per_step"] = (after["num_emitted_tokens"] - before["num_emitted_tokens"]) / steps
+            rows.append(per)
+        return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    finally:
+        rt.shutdown()
+
+
+def main() -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from runtime.cli_args import builtin_model
+    from runtime.stdlib_corpus import held_out_prompts
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=builtin_model("tiny-target"))
+    ap.add_argument("--draft", default=builtin_model("tiny-draft"))
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("-k", type=int, default=4)
+    args = ap.parse_args()
+    prompts = held_out_prompts(args.repeats)
+    base = dict(target=args.target, draft=args.draft, num_speculative_tokens=args.k, device="cpu", dtype="float32")
+    results = {}
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    results["co-located"] = measure({**base, "colocate": True}, prompts, args.tokens, args.repeats)
+    results["single node"] = measure(base, prompts, args.tokens, args.repeats)
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for kind in ("draft", "target"):
+        cluster.add_node(num_cpus=0, resources={f"specray_{kind}": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        results["multi-node"] = measure({**base, "draft_resources": {"specray_draft": 1},
+                                         "target_resources": {"specray_target": 1}},
+                                        prompts, args.tokens, args.repeats)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"{'layout':12} {'step ms':>8} {'draft ms':>9} {'verify ms':>10} {'sched ms':>9} {'driver ms':>10} {'tok/step':>9}")
+    for name, r in results.items():
+        print(f"{name:12} {r['busy_s']:8.2f} {r['draft_s']:9.2f} {r['verify_s']:10.2f} {r['schedule_s']:9.3f} "
+              f"{r['driver_overhead_s']:10.3f} {r['tokens_per_step']:9.2f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
