@@ -18,7 +18,8 @@ the whole batch: candidate tokens (sequence i's j-th proposal gains ``a_i^j``) a
 in order of gain, and the best prefix wins, which may be the empty one: speculation off
 when verifying extra tokens costs more than they return (large batches). A sequence
 whose draft keeps failing drops to 0 and is probed with one token every
-``probe_interval`` steps, so it can come back.
+``probe_interval`` steps, so it can come back. Probes of all quiet sequences happen in
+the same steps: a draft call serves them together instead of one every step.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ class SpeculationPolicy:
     disable_by_batch_size: int | None = None
     prior_acceptance: float = 0.6
     decay: float = 0.9               # about the last ten observations count
-    probe_interval: int = 8
+    probe_interval: int = 16
     cost: StepCostModel = field(default_factory=StepCostModel)
+    _calls: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -156,10 +158,12 @@ class SpeculationPolicy:
             return list(caps)
         rates = [e.rate(self.prior_acceptance) for e in estimates]
         chosen = self._best_prefix(caps, rates, fed_tokens)
-        for i in range(n):
-            # Probe sequences that have gone quiet, so a recovering draft is noticed.
-            if chosen[i] == 0 and caps[i] > 0 and estimates[i].steps_without_proposal >= self.probe_interval:
-                chosen[i] = 1
+        self._calls += 1
+        if self._calls % self.probe_interval == 0:
+            for i in range(n):
+                # Probe sequences that have gone quiet, so a recovering draft is noticed.
+                if chosen[i] == 0 and caps[i] > 0 and estimates[i].steps_without_proposal >= self.probe_interval:
+                    chosen[i] = 1
         return chosen
 
     def _best_prefix(self, caps: list[int], rates: list[float], fed_tokens: int) -> list[int]:

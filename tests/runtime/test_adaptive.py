@@ -76,10 +76,12 @@ def test_unrelated_draft_falls_to_zero_with_probes(llama_pair, tmp_path):
     outs, ks, m = run_spying(rcfg, prompts(), 48, cheap_draft_cost())
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 48)
     assert m["acceptance_rate"] < 0.1
-    # Within 6 steps every sequence stops speculating; afterwards only 1-token probes remain.
-    late = [k for step in ks[6:] for k in step]
-    assert max(late) <= 1
-    assert sum(late) <= len(late) / 4
+    # Within 6 steps every sequence stops speculating; afterwards only 1-token probes
+    # remain, all in the same steps.
+    late = ks[6:]
+    assert max(k for step in late for k in step) <= 1
+    probing = [step for step in late if any(step)]
+    assert len(probing) <= len(late) / 8
     assert m["num_spec_off_steps"] > 0
 
 

@@ -62,13 +62,14 @@ def test_goodput_turns_speculation_off_at_large_batch_and_on_again():
     assert again == small
 
 
-def test_quiet_sequences_are_probed():
+def test_quiet_sequences_are_probed_together():
     p = SpeculationPolicy("adaptive", 4, probe_interval=3, cost=controlled_cost(t_tok=1e-5))
-    bad = est(0, 50)
-    assert p.choose([4], [bad], fed_tokens=1) == [0]
-    bad.steps_without_proposal = 3
-    assert p.choose([4], [bad], fed_tokens=1) == [1]
-    assert p.choose([0], [bad], fed_tokens=1) == [0]    # never past the cap
+    bad, quiet, fresh = est(0, 50), est(0, 50), est(0, 50)
+    bad.steps_without_proposal = quiet.steps_without_proposal = 3
+    picks = [p.choose([4, 4, 4], [bad, quiet, fresh], fed_tokens=3) for _ in range(6)]
+    # Every third call probes every sequence quiet for 3 steps, with one token; never past the cap.
+    assert picks == [[0, 0, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 0]]
+    assert p.choose([0, 0, 0], [bad, quiet, fresh], fed_tokens=3) == [0, 0, 0]
 
 
 def test_choice_maximises_goodput_against_brute_force():
