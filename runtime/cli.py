@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt")
     add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="0 for greedy (the built-in pair, being tiny, then repeats whitespace)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sample-seed", type=int, default=None)

@@ -8,7 +8,6 @@ which is far from it, must be rejected by the same test.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import pytest
