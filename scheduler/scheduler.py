@@ -280,11 +280,13 @@ class Scheduler:
     def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
         """Feed measured call times to the policy's cost model."""
         plans = [p for p in step.target_plans if p is not None and p.seq_ids]
-        tokens = sum(sum(p.num_new) + sum(p.proposal_lens) for p in plans)
-        self.policy.cost.observe_target(len(step.seqs), tokens, verify_s)
+        fed = sum(sum(p.num_new) for p in plans)
+        proposed = sum(sum(p.proposal_lens) for p in plans)
+        self.policy.cost.observe_target(len(step.seqs), fed, proposed, verify_s)
         if draft_s is not None:
+            dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
             ks = [s.step_k for s in step.seqs]
-            self.policy.cost.observe_draft(max(ks), sum(ks), draft_s)
+            self.policy.cost.observe_draft(max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
 
     # -- results -------------------------------------------------------------------
     def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0

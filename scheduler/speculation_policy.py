@@ -102,29 +102,32 @@ def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass
 class StepCostModel:
-    """Online model of a step's time; ``observe_*`` feed it measured seconds."""
+    """Online model of a step's time; ``observe_*`` feed it measured seconds. Fed tokens
+    (prefill, catch-up) and proposed tokens are separate features: a prompt's tokens cost
+    differently from a few verified ones, and mixing them would mis-price speculation."""
 
-    target: LinearFit = field(default_factory=lambda: LinearFit(3, prior=[1e-3, 1e-5, 1e-4]))
-    draft: LinearFit = field(default_factory=lambda: LinearFit(3, prior=[5e-4, 1e-4, 1e-5]))
-
-    @staticmethod
-    def target_features(num_seqs: int, num_tokens: int) -> list[float]:
-        return [1.0, float(num_seqs), float(num_tokens)]
+    target: LinearFit = field(default_factory=lambda: LinearFit(4, prior=[1e-3, 1e-5, 1e-4, 1e-4]))
+    draft: LinearFit = field(default_factory=lambda: LinearFit(4, prior=[5e-4, 1e-4, 1e-5, 1e-5]))
 
     @staticmethod
-    def draft_features(passes: int, num_tokens: int) -> list[float]:
-        return [1.0, float(passes), float(num_tokens)]
+    def target_features(num_seqs: int, fed: int, proposed: int) -> list[float]:
+        return [1.0, float(num_seqs), float(fed), float(proposed)]
 
-    def observe_target(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        self.target.add(self.target_features(num_seqs, num_tokens), seconds)
+    @staticmethod
+    def draft_features(passes: int, fed: int, proposed: int) -> list[float]:
+        return [1.0, float(passes), float(fed), float(proposed)]
 
-    def observe_draft(self, passes: int, num_tokens: int, seconds: float) -> None:
-        self.draft.add(self.draft_features(passes, num_tokens), seconds)
+    def observe_target(self, num_seqs: int, fed: int, proposed: int, seconds: float) -> None:
+        self.target.add(self.target_features(num_seqs, fed, proposed), seconds)
+
+    def observe_draft(self, passes: int, fed: int, proposed: int, seconds: float) -> None:
+        self.draft.add(self.draft_features(passes, fed, proposed), seconds)
 
     def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
-        t = self.target.predict(self.target_features(num_seqs, fed_tokens + sum_k))
+        t = self.target.predict(self.target_features(num_seqs, fed_tokens, sum_k))
         if sum_k:
-            t += self.draft.predict(self.draft_features(max_k, sum_k))
+            # In steady decoding a drafting sequence feeds the draft about one token.
+            t += self.draft.predict(self.draft_features(max_k, num_seqs, sum_k))
         return t
 
 

@@ -23,8 +23,8 @@ def cheap_draft_cost() -> StepCostModel:
     """A controlled cost model in which drafting is cheap next to verifying, frozen so the
     test does not depend on this machine's timings."""
     c = StepCostModel()
-    c.target.weights = [2e-3, 1e-5, 2e-5]
-    c.draft.weights = [5e-4, 1e-4, 1e-5]
+    c.target.weights = [2e-3, 1e-5, 2e-5, 2e-5]
+    c.draft.weights = [5e-4, 1e-4, 1e-5, 1e-5]
     c.observe_target = c.observe_draft = lambda *a: None
     return c
 

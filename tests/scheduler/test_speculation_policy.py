@@ -15,8 +15,8 @@ def est(accepted: float, rejected: float) -> AcceptanceEstimate:
 def controlled_cost(t_tok: float, d_pass: float = 5e-5, d_tok: float = 1e-5) -> StepCostModel:
     """Target: 1 ms + t_tok per token scored; draft: 0.1 ms + d_pass per pass + d_tok per token."""
     c = StepCostModel()
-    c.target.weights = [1e-3, 0.0, t_tok]
-    c.draft.weights = [1e-4, d_pass, d_tok]
+    c.target.weights = [1e-3, 0.0, t_tok, t_tok]
+    c.draft.weights = [1e-4, d_pass, d_tok, d_tok]
     return c
 
 
