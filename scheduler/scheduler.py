@@ -325,7 +325,7 @@ class Scheduler:
                 seq.num_draft_tokens += proposed
                 seq.num_accepted_tokens += n_acc
                 if self.k:
-                    seq.acceptance.observe(proposed, n_acc, self.policy.decay)
+                    self.policy.observe(seq.acceptance, proposed, n_acc)
                     self.stats.record_positions(proposed, n_acc)
                 drafted += proposed
                 accepted += n_acc

@@ -138,8 +138,12 @@ class SpeculationPolicy:
     disable_by_batch_size: int | None = None
     prior_acceptance: float = 0.6
     decay: float = 0.9               # about the last ten observations count
+    overall_decay: float = 0.99      # about the last hundred, across sequences
     probe_interval: int = 16
     cost: StepCostModel = field(default_factory=StepCostModel)
+    # Every sequence's observations together: a new sequence starts from what the draft
+    # has been doing lately rather than from a fixed guess.
+    overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     _calls: int = 0
 
     def __post_init__(self) -> None:
@@ -159,7 +163,8 @@ class SpeculationPolicy:
             return [0] * n
         if self.kind == "static":
             return list(caps)
-        rates = [e.rate(self.prior_acceptance) for e in estimates]
+        prior = self.overall.rate(self.prior_acceptance)
+        rates = [e.rate(prior) for e in estimates]
         chosen = self._best_prefix(caps, rates, fed_tokens)
         self._calls += 1
         if self._calls % self.probe_interval == 0:
@@ -168,6 +173,12 @@ class SpeculationPolicy:
                 if chosen[i] == 0 and caps[i] > 0 and estimates[i].steps_without_proposal >= self.probe_interval:
                     chosen[i] = 1
         return chosen
+
+    def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
+        """One sequence-step's outcome, for that sequence's estimate and the overall one."""
+        estimate.observe(proposed, accepted, self.decay)
+        if proposed:
+            self.overall.observe(proposed, accepted, self.overall_decay)
 
     def _best_prefix(self, caps: list[int], rates: list[float], fed_tokens: int) -> list[int]:
         """For each number of draft passes m, take candidate tokens (j <= m) in order of

@@ -79,7 +79,7 @@ def test_choice_maximises_goodput_against_brute_force():
     p = SpeculationPolicy("adaptive", 3, probe_interval=10**9, cost=cost)
     ests = [est(9, 1), est(3, 3), est(1, 6)]
     caps = [3, 3, 2]
-    rates = [e.rate(p.prior_acceptance) for e in ests]
+    rates = [e.rate(p.overall.rate(p.prior_acceptance)) for e in ests]
 
     def goodput(ks):
         gain = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
@@ -94,3 +94,14 @@ def test_bad_policy_settings_are_refused():
         SpeculationPolicy("sometimes")
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         SpeculationPolicy("static", 4, disable_by_batch_size=0)
+
+
+def test_new_sequences_start_from_the_overall_acceptance():
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=5e-5))
+    fresh = AcceptanceEstimate()
+    assert sum(p.choose([4], [fresh], fed_tokens=1)) > 0       # the prior alone speculates
+    seen = AcceptanceEstimate()
+    for _ in range(40):                                       # the draft has been failing everyone
+        p.observe(seen, proposed=4, accepted=0)
+    assert p.overall.rate(p.prior_acceptance) < 0.1
+    assert p.choose([4], [AcceptanceEstimate()], fed_tokens=1) == [0]
