@@ -17,9 +17,10 @@ lets the policy pick the ``k_i`` that maximise expected emitted tokens per secon
 the whole batch: candidate tokens (sequence i's j-th proposal gains ``a_i^j``) are taken
 in order of gain, and the best prefix wins, which may be the empty one: speculation off
 when verifying extra tokens costs more than they return (large batches). A sequence
-whose draft keeps failing drops to 0 and is probed with one token every
-``probe_interval`` steps, so it can come back. Probes of all quiet sequences happen in
-the same steps: a draft call serves them together instead of one every step.
+whose draft keeps failing drops to 0 and is probed with one token after
+``probe_interval`` quiet steps, so it can come back; each failed probe doubles the wait
+(up to ``max_probe_interval``), a success resets it. Probes of all quiet sequences
+happen in the same steps: a draft call serves them together instead of one every step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class AcceptanceEstimate:
     accepted: float = 0.0
     rejected: float = 0.0
     steps_without_proposal: int = 0
+    quiet_limit: int = 0             # quiet steps before the next probe (0: the policy's base)
 
     def rate(self, prior: float, prior_weight: float = 1.0) -> float:
         return (self.accepted + prior * prior_weight) / (self.accepted + self.rejected + prior_weight)
@@ -140,6 +142,7 @@ class SpeculationPolicy:
     decay: float = 0.9               # about the last ten observations count
     overall_decay: float = 0.99      # about the last hundred, across sequences
     probe_interval: int = 16
+    max_probe_interval: int = 256
     cost: StepCostModel = field(default_factory=StepCostModel)
     # Every sequence's observations together: a new sequence starts from what the draft
     # has been doing lately rather than from a fixed guess.
@@ -170,12 +173,17 @@ class SpeculationPolicy:
         if self._calls % self.probe_interval == 0:
             for i in range(n):
                 # Probe sequences that have gone quiet, so a recovering draft is noticed.
-                if chosen[i] == 0 and caps[i] > 0 and estimates[i].steps_without_proposal >= self.probe_interval:
+                e = estimates[i]
+                if chosen[i] == 0 and caps[i] > 0 and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval):
                     chosen[i] = 1
         return chosen
 
     def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one."""
+        if proposed and estimate.steps_without_proposal >= (estimate.quiet_limit or self.probe_interval):
+            # This was a probe: back off after a failure, come back fully after a success.
+            limit = estimate.quiet_limit or self.probe_interval
+            estimate.quiet_limit = self.probe_interval if accepted else min(2 * limit, self.max_probe_interval)
         estimate.observe(proposed, accepted, self.decay)
         if proposed:
             self.overall.observe(proposed, accepted, self.overall_decay)

@@ -105,3 +105,24 @@ def test_new_sequences_start_from_the_overall_acceptance():
         p.observe(seen, proposed=4, accepted=0)
     assert p.overall.rate(p.prior_acceptance) < 0.1
     assert p.choose([4], [AcceptanceEstimate()], fed_tokens=1) == [0]
+
+
+def test_failed_probes_back_off_and_a_success_resets():
+    p = SpeculationPolicy("adaptive", 4, probe_interval=4, max_probe_interval=16, cost=controlled_cost(t_tok=5e-5))
+    e = AcceptanceEstimate(accepted=0, rejected=50)
+    for _ in range(4):
+        p.observe(e, proposed=0, accepted=0)
+    p.observe(e, proposed=1, accepted=0)          # a failed probe
+    assert e.quiet_limit == 8
+    for _ in range(8):
+        p.observe(e, proposed=0, accepted=0)
+    p.observe(e, proposed=1, accepted=0)
+    assert e.quiet_limit == 16
+    for _ in range(16):
+        p.observe(e, proposed=0, accepted=0)
+    p.observe(e, proposed=1, accepted=0)
+    assert e.quiet_limit == 16                    # capped
+    for _ in range(16):
+        p.observe(e, proposed=0, accepted=0)
+    p.observe(e, proposed=1, accepted=1)          # the draft is good again
+    assert e.quiet_limit == 4
