@@ -80,7 +80,3 @@ class Engine:
         self.scheduler.stats.record_phases(draft_s, verify_s)
         self.scheduler.observe_times(step, draft_s, verify_s)
         return self.scheduler.update(step, results, time.perf_counter() - t0)
-
-    def run_until_done(self) -> None:
-        while self.scheduler.has_work:
-            self.step()

@@ -98,10 +98,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # -- planning ------------------------------------------------------------------
     def proposal_len(self, seq: Sequence) -> int:
         """k_i: at most k, leaves room for the bonus token inside max_tokens and
