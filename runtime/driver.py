@@ -178,10 +178,11 @@ class DriverCore:
                 if left <= 0:
                     return None
                 self._cv.wait(left)
-            outs = [self._output(self._requests[r]) for r in request_ids]
-            for r in request_ids:
-                del self._requests[r]
-            return outs
+            try:
+                return [self._output(self._requests[r]) for r in request_ids]
+            finally:
+                for r in request_ids:   # delivered (or failed): forget them either way
+                    del self._requests[r]
 
     def poll(self, request_id: str, timeout: float = 1.0) -> RequestOutput | None:
         """The new part of a request's output since the last poll (None: nothing new yet)."""
@@ -195,7 +196,11 @@ class DriverCore:
                 if left <= 0:
                     return None
                 self._cv.wait(left)
-            full = self._output(req)
+            try:
+                full = self._output(req)
+            except RuntimeError:
+                del self._requests[request_id]
+                raise
             delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:],
                                   full.text[req.sent_text:], full.finish_reason,
                                   full.num_draft_tokens, full.num_accepted_tokens)
