@@ -76,7 +76,12 @@ def ray_head():
     log = open(os.path.join(tmp, "head.log"), "w")
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", f"--port={port}",
-         f"--ray-client-server-port={free_port()}",
+         # Every port explicit: the default agent ports (52365, ...) are taken by any other
+         # Ray on this machine, including this session's private one, and a head whose
+         # agent cannot bind accepts no jobs.
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+         f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--metrics-export-port={free_port()}",
          f"--dashboard-port={dash}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=2",
          f"--temp-dir={tmp}", "--object-store-memory=150000000", "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
