@@ -230,6 +230,7 @@ class DriverCore:
                  draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],
                  draft_kv_blocks_total=[p.num_blocks for p in self.scheduler.draft_pools],
                  num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
+                 draft_workers_down=sorted(self.scheduler.drafts_down),
                  num_speculative_tokens=self.config.k, proposer=self.config.proposer,
                  last_error=self._last_error)
         return m

@@ -20,9 +20,14 @@ from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 
 
+class WorkerLost(Exception):
+    """A worker died or restarted empty; ``WorkerCall.wait`` raises it."""
+
+
 class WorkerCall(Protocol):
     def submit(self, plan: StepPlan, *args: Any) -> Any: ...
     def wait(self, handle: Any) -> Any: ...
+    def alive(self) -> bool: ...
 
 
 class LocalCall:
@@ -37,6 +42,9 @@ class LocalCall:
     def wait(self, handle: Any) -> Any:
         return handle
 
+    def alive(self) -> bool:
+        return True
+
 
 class Engine:
     def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall]) -> None:
@@ -49,6 +57,9 @@ class Engine:
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, tokens appended) for each scheduled sequence."""
         t0 = time.perf_counter()
+        for r in list(self.scheduler.drafts_down):
+            if self.proposers[r].alive():
+                self.scheduler.draft_back(r)
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -58,7 +69,14 @@ class Engine:
         if any(p is not None for p in step.draft_plans):
             t_draft = time.perf_counter()
             pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans) if p is not None]
-            shards = [self.proposers[r].wait(h) for r, h in pending]
+            for r, h in pending:
+                try:
+                    shards.append(self.proposers[r].wait(h))
+                except WorkerLost:
+                    # Its sequences verify without proposals this step (plain decoding).
+                    step.lost_drafts.add(r)
+                    self.scheduler.draft_lost(r)
+                    self.scheduler.stats.num_draft_worker_failures += 1
             if any(p.seq_ids for p, _ in shards):
                 draft_s = time.perf_counter() - t_draft
         t1 = time.perf_counter()

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config import RuntimeConfig
-from runtime.engine import LocalCall, WorkerCall
+from runtime.engine import LocalCall, WorkerCall, WorkerLost
 from scheduler.messages import Proposals, StepResult, decode, encode
+from workers.kv_cache import StaleCacheError
 from workers.model_runner import WorkerConfig
 from workers.ngram_proposer import NgramProposer
 
@@ -59,8 +60,13 @@ class RayVerify:
 
 
 class RayPropose:
+    """A draft worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
+    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer."""
+
     def __init__(self, actor) -> None:
         self.actor = actor
+        self._ready = None        # a ready() call in flight while the actor is lost
+        self.gone = False         # restarts exhausted: it will not come back
 
     def submit(self, plan):
         return self.actor.propose_msg.remote(encode(plan))
@@ -69,7 +75,30 @@ class RayPropose:
         import ray
 
         ref, probs_ref = handle
-        return decode(ray.get(ref), Proposals), probs_ref
+        try:
+            return decode(ray.get(ref), Proposals), probs_ref
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
+                raise
+            self._ready = self.actor.ready.remote()
+            raise WorkerLost(str(e)) from None
+
+    def alive(self) -> bool:
+        import ray
+
+        if self._ready is None:
+            return not self.gone
+        done, _ = ray.wait([self._ready], timeout=0)
+        if not done:
+            return False
+        try:
+            ray.get(self._ready)
+        except ray.exceptions.RayActorError:
+            self.gone = True
+            return False
+        finally:
+            self._ready = None
+        return True
 
 
 def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str) -> WorkerPool:
@@ -130,7 +159,8 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
             else:
                 strategy = "SPREAD"
-            actors.append(cls.options(**opts, scheduling_strategy=strategy).remote(WorkerConfig(model, **wcfg)))
+            actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cfg.max_worker_restarts,
+                                      max_task_retries=0).remote(WorkerConfig(model, **wcfg)))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_blocks = ray.get([a.num_blocks.remote() for a in targets])

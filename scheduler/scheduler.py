@@ -63,6 +63,7 @@ class ScheduledStep:
     target_seqs: list[list[Sequence]]
     draft_plans: list[StepPlan | None] = field(default_factory=list)   # per draft worker
     draft_seqs: list[list[Sequence]] = field(default_factory=list)
+    lost_drafts: set[int] = field(default_factory=set)                # draft workers that failed this step
 
 
 class Scheduler:
@@ -85,6 +86,7 @@ class Scheduler:
         # Frees the workers have not been told about yet; they travel with the next plan.
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
         self._draft_frees: list[list[int]] = [[] for _ in range(self.num_draft_ranks)]
+        self.drafts_down: set[int] = set()   # draft workers lost and not back yet
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,7 +104,7 @@ class Scheduler:
     def proposal_len(self, seq: Sequence) -> int:
         """k_i: at most k, leaves room for the bonus token inside max_tokens and
         max_model_len, and is 0 where the draft cannot see that far."""
-        if self.k == 0:
+        if self.k == 0 or seq.draft_rank in self.drafts_down:
             return 0
         n = seq.num_tokens
         k = min(self.k, seq.remaining - 1, self.config.target_max_len - n - 1)
@@ -162,7 +164,7 @@ class Scheduler:
         n = seq.num_tokens
         seq.target_rank = min(range(len(t_load)),
                               key=lambda r: (not _fits(self.target_pools[r], seq.seq_id, n), t_load[r], r))
-        seq.draft_rank = min(range(len(d_load)), key=lambda r: (d_load[r], r))
+        seq.draft_rank = min(range(len(d_load)), key=lambda r: (r in self.drafts_down, d_load[r], r))
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
 
@@ -267,6 +269,21 @@ class Scheduler:
                 frees[r] = []
         return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)
 
+    def draft_lost(self, rank: int) -> None:
+        """A draft worker died (or came back empty): its sequences decode on the target
+        alone until ``draft_back``; whatever it cached is gone (computed = 0 there)."""
+        self.drafts_down.add(rank)
+        if self.draft_pools:
+            self.draft_pools[rank].reset()
+        self._draft_frees[rank] = []
+        for seq in self.running:
+            if seq.draft_rank == rank:
+                seq.draft_computed = 0
+
+    def draft_back(self, rank: int) -> None:
+        """The draft worker runs again, empty: its sequences catch up from scratch."""
+        self.drafts_down.discard(rank)
+
     def attach_proposals(self, step: ScheduledStep, rank: int, merged: MergedProposals) -> None:
         plan = step.target_plans[rank]
         plan.proposal_token_ids = merged.token_ids
@@ -315,7 +332,9 @@ class Scheduler:
                 n_acc = n_emit - 1
                 L = seq.step_len
                 seq.target_computed = L + n_acc
-                if seq.step_k:
+                if seq.draft_rank in step.lost_drafts:
+                    seq.draft_computed = 0
+                elif seq.step_k:
                     # The draft cached its fed tokens and all its proposals but the last.
                     seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
                 seq.num_draft_tokens += proposed

@@ -30,6 +30,10 @@ def default_num_blocks(config, block_size: int, dtype: torch.dtype, device: torc
     return max(1, min(useful, budget // per_block))
 
 
+class StaleCacheError(RuntimeError):
+    """The driver counts cached tokens this worker does not hold (it restarted empty)."""
+
+
 class KVCache:
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         layers, kvh, head_dim = kv_shape(config)
@@ -46,7 +50,7 @@ class KVCache:
             self.blocks.free(sid)
         for sid, computed, slots in zip(plan.seq_ids, plan.num_computed, plan.num_slots):
             if computed > self.blocks.num_slots(sid):
-                raise RuntimeError(f"sequence {sid}: the driver counts {computed} cached tokens, "
+                raise StaleCacheError(f"sequence {sid}: the driver counts {computed} cached tokens, "
                                    f"this worker holds {self.blocks.num_slots(sid)} slots (restarted?)")
             self.blocks.truncate(sid, slots)
             if not self.blocks.allocate(sid, slots):

@@ -1,0 +1,56 @@
+"""A draft worker killed mid-generation (SIGKILL of its process): every request
+finishes with the undisturbed greedy output, the driver decodes on the target alone while
+the draft is gone, and speculation resumes once Ray has restarted it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+from ray._private.state import actors
+
+from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+from specray_testing import hf_greedy
+
+
+def alive_pids(cls: str) -> list[int]:
+    return [a["Pid"] for a in actors().values() if a["ActorClassName"] == cls and a["State"] == "ALIVE"]
+
+
+def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
+    t, d = llama_pair
+    prompts = [torch.randint(0, 97, (4 + i,), generator=torch.Generator().manual_seed(200 + i)).tolist()
+               for i in range(6)]
+    expected = hf_greedy(t, prompts, 160)
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", max_worker_restarts=2))
+    try:
+        (victim,) = alive_pids("DraftWorker")
+        batch: list = []
+        others = threading.Thread(target=lambda: batch.extend(
+            rt.generate(prompts[1:], SamplingParams(max_tokens=160, temperature=0.0))))
+        others.start()
+        streamed: list[int] = []
+        for delta in rt.stream(prompts[0], SamplingParams(max_tokens=160, temperature=0.0)):
+            if not streamed and delta.token_ids:
+                os.kill(victim, signal.SIGKILL)     # mid-generation, with the batch in flight
+            streamed += delta.token_ids
+        others.join(timeout=300)
+        assert [streamed] + [o.token_ids for o in batch] == expected
+        m = rt.metrics()
+        assert m["num_draft_worker_failures"] >= 1
+        # Ray restarted it (a new process) and speculation resumed.
+        deadline = time.time() + 60
+        while not (alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim) and time.time() < deadline:
+            time.sleep(0.5)
+        assert alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim
+        before = rt.metrics()["num_draft_tokens"]
+        again = rt.generate(prompts[:2], SamplingParams(max_tokens=40, temperature=0.0))
+        assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
+        after = rt.metrics()
+        assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
+    finally:
+        rt.shutdown()
