@@ -28,6 +28,7 @@ class RuntimeConfig:
     draft_resources: dict[str, float] = field(default_factory=dict)
     target_resources: dict[str, float] = field(default_factory=dict)
     max_worker_restarts: int = 3             # Ray restarts a dead worker actor this many times
+    target_down_timeout_s: float = 120.0     # requests fail once every target worker is gone this long
     colocate: bool = False                   # draft and target run inside the driver's actor: no hops
     placement_strategy: str = "SPREAD"
     placement_timeout_s: float = 300.0       # an autoscaler may need minutes to add nodes
@@ -65,6 +66,8 @@ class RuntimeConfig:
         _positive_int("num_draft_workers", self.num_draft_workers)
         _positive_int("num_target_workers", self.num_target_workers)
         _positive_int("max_worker_restarts", self.max_worker_restarts, allow_zero=True)
+        if not isinstance(self.target_down_timeout_s, (int, float)) or self.target_down_timeout_s <= 0:
+            raise ValueError(f"target_down_timeout_s must be > 0, got {self.target_down_timeout_s!r}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}")
         if not isinstance(self.placement_timeout_s, (int, float)) or self.placement_timeout_s <= 0:

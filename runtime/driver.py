@@ -74,7 +74,8 @@ class DriverCore:
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
                                    num_proposers=len(self.pool.proposers))
-        self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers)
+        self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
+                             config.target_down_timeout_s)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -231,6 +232,7 @@ class DriverCore:
                  draft_kv_blocks_total=[p.num_blocks for p in self.scheduler.draft_pools],
                  num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
                  draft_workers_down=sorted(self.scheduler.drafts_down),
+                 target_workers_down=sorted(self.scheduler.targets_down),
                  num_speculative_tokens=self.config.k, proposer=self.config.proposer,
                  last_error=self._last_error)
         return m

@@ -47,19 +47,39 @@ class LocalCall:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall]) -> None:
+    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
+                 target_down_timeout_s: float = 120.0) -> None:
         """``proposers[r].wait`` yields ``(Proposals, probs handle)``; ``verifiers[r].wait``
-        yields a ``StepResult``."""
+        yields a ``StepResult``. When every target worker has been down for
+        ``target_down_timeout_s``, ``step`` raises instead of waiting forever."""
         self.scheduler = scheduler
         self.verifiers = verifiers
         self.proposers = proposers
+        self.target_down_timeout_s = target_down_timeout_s
+        self._all_down_since: float | None = None
+
+    def _check_recovered(self) -> None:
+        sched = self.scheduler
+        for r in list(sched.drafts_down):
+            if self.proposers[r].alive():
+                sched.draft_back(r)
+        for r in list(sched.targets_down):
+            if self.verifiers[r].alive():
+                sched.target_back(r)
+        if len(sched.targets_down) < len(self.verifiers):
+            self._all_down_since = None
+            return
+        now = time.monotonic()
+        self._all_down_since = self._all_down_since or now
+        if now - self._all_down_since > self.target_down_timeout_s:
+            raise RuntimeError(f"every target worker has been gone for over {self.target_down_timeout_s:.0f}s")
+        time.sleep(0.05)   # nothing can run until one is back
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, tokens appended) for each scheduled sequence."""
         t0 = time.perf_counter()
-        for r in list(self.scheduler.drafts_down):
-            if self.proposers[r].alive():
-                self.scheduler.draft_back(r)
+        if self.scheduler.drafts_down or self.scheduler.targets_down:
+            self._check_recovered()
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -93,7 +113,13 @@ class Engine:
             pending.append((r, self.verifiers[r].submit(plan, probs)))
         results: list[StepResult | None] = [None] * len(step.target_plans)
         for r, h in pending:
-            results[r] = self.verifiers[r].wait(h)
+            try:
+                results[r] = self.verifiers[r].wait(h)
+            except WorkerLost:
+                # Its sequences are requeued with every token they had; nothing is lost.
+                step.lost_targets.add(r)
+                self.scheduler.target_lost(r)
+                self.scheduler.stats.num_target_worker_failures += 1
         verify_s = time.perf_counter() - t1
         self.scheduler.stats.record_phases(draft_s, verify_s)
         self.scheduler.observe_times(step, draft_s, verify_s)

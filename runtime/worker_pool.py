@@ -10,6 +10,7 @@ by Ray's SPREAD scheduling instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,60 +46,66 @@ class WorkerPool:
             self.placement_group = None
 
 
-class RayVerify:
-    def __init__(self, actor) -> None:
-        self.actor = actor
-
-    def submit(self, plan, probs):
-        # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
-        return self.actor.verify_msg.remote(encode(plan), *probs)
-
-    def wait(self, handle):
-        import ray
-
-        return decode(ray.get(handle), StepResult)
-
-
-class RayPropose:
-    """A draft worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
+class _RayWorkerCall:
+    """A worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
     ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer."""
 
     def __init__(self, actor) -> None:
         self.actor = actor
         self._ready = None        # a ready() call in flight while the actor is lost
-        self.gone = False         # restarts exhausted: it will not come back
+        self._asked = 0.0
 
-    def submit(self, plan):
-        return self.actor.propose_msg.remote(encode(plan))
-
-    def wait(self, handle):
+    def _get(self, ref):
         import ray
 
-        ref, probs_ref = handle
         try:
-            return decode(ray.get(ref), Proposals), probs_ref
+            return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
-            self._ready = self.actor.ready.remote()
+            self._ask()
             raise WorkerLost(str(e)) from None
 
     def alive(self) -> bool:
         import ray
 
         if self._ready is None:
-            return not self.gone
+            return True
         done, _ = ray.wait([self._ready], timeout=0)
         if not done:
             return False
         try:
             ray.get(self._ready)
         except ray.exceptions.RayActorError:
-            self.gone = True
+            # Called while Ray was still restarting it (or for good: then the engine's
+            # timeout decides). Ask again, at most once a second.
+            if time.monotonic() - self._asked >= 1.0:
+                self._ask()
             return False
-        finally:
-            self._ready = None
+        self._ready = None
         return True
+
+    def _ask(self) -> None:
+        self._asked = time.monotonic()
+        self._ready = self.actor.ready.remote()
+
+
+class RayVerify(_RayWorkerCall):
+    def submit(self, plan, probs):
+        # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
+        return self.actor.verify_msg.remote(encode(plan), *probs)
+
+    def wait(self, handle):
+        return decode(self._get(handle), StepResult)
+
+
+class RayPropose(_RayWorkerCall):
+    def submit(self, plan):
+        return self.actor.propose_msg.remote(encode(plan))
+
+    def wait(self, handle):
+        ref, probs_ref = handle
+        return decode(self._get(ref), Proposals), probs_ref
 
 
 def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str) -> WorkerPool:

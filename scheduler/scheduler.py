@@ -64,6 +64,7 @@ class ScheduledStep:
     draft_plans: list[StepPlan | None] = field(default_factory=list)   # per draft worker
     draft_seqs: list[list[Sequence]] = field(default_factory=list)
     lost_drafts: set[int] = field(default_factory=set)                # draft workers that failed this step
+    lost_targets: set[int] = field(default_factory=set)               # target workers that failed this step
 
 
 class Scheduler:
@@ -87,6 +88,7 @@ class Scheduler:
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
         self._draft_frees: list[list[int]] = [[] for _ in range(self.num_draft_ranks)]
         self.drafts_down: set[int] = set()   # draft workers lost and not back yet
+        self.targets_down: set[int] = set()  # target workers lost and not back yet
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -162,8 +164,8 @@ class Scheduler:
         """Pick the least loaded target and draft worker (by tokens) for a newcomer; a
         target pool it fits in beats one it does not."""
         n = seq.num_tokens
-        seq.target_rank = min(range(len(t_load)),
-                              key=lambda r: (not _fits(self.target_pools[r], seq.seq_id, n), t_load[r], r))
+        seq.target_rank = min(range(len(t_load)), key=lambda r: (
+            r in self.targets_down, not _fits(self.target_pools[r], seq.seq_id, n), t_load[r], r))
         seq.draft_rank = min(range(len(d_load)), key=lambda r: (r in self.drafts_down, d_load[r], r))
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
@@ -219,6 +221,8 @@ class Scheduler:
             if batch and cost > budget:
                 break
             self._place(seq, t_load, d_load)
+            if seq.target_rank in self.targets_down:
+                break   # every target worker is down: wait for one to come back
             k = self._reserve(seq, min(self.proposal_len(seq), newcomer_k))
             if k is None:
                 break
@@ -229,7 +233,7 @@ class Scheduler:
             budget -= cost
 
         if not batch:
-            if self.waiting and not self.running:
+            if self.waiting and not self.running and len(self.targets_down) < len(self.target_pools):
                 seq = self.waiting[0]
                 pool = self.target_pools[seq.target_rank]
                 raise RuntimeError(f"KV pool too small: request {seq.request_id} needs "
@@ -284,6 +288,18 @@ class Scheduler:
         """The draft worker runs again, empty: its sequences catch up from scratch."""
         self.drafts_down.discard(rank)
 
+    def target_lost(self, rank: int) -> None:
+        """A target worker died: its sequences go back to the queue with every token they
+        emitted (recomputed later, on it once restarted or on another target worker)."""
+        self.targets_down.add(rank)
+        for seq in [s for s in self.running if s.target_rank == rank]:
+            self._preempt(seq)
+        self.target_pools[rank].reset()
+        self._target_frees[rank] = []
+
+    def target_back(self, rank: int) -> None:
+        self.targets_down.discard(rank)
+
     def attach_proposals(self, step: ScheduledStep, rank: int, merged: MergedProposals) -> None:
         plan = step.target_plans[rank]
         plan.proposal_token_ids = merged.token_ids
@@ -308,6 +324,8 @@ class Scheduler:
         ``step.target_plans``); return (sequence, newly appended tokens) for every
         sequence of the step. Finished sequences are released."""
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
+            if r in step.lost_targets:
+                continue
             res = results[r] if r < len(results) else None
             if seqs and (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]
                          or len(res.num_emitted) != len(seqs) or sum(res.num_emitted) != len(res.token_ids)):
@@ -320,7 +338,7 @@ class Scheduler:
         out = []
         drafted = accepted = emitted_total = 0
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
-            if not seqs:
+            if not seqs or r in step.lost_targets:
                 continue
             res = results[r]
             pos = 0
@@ -346,8 +364,8 @@ class Scheduler:
                 accepted += n_acc
                 emitted_total += n_emit
                 out.append((seq, self._append(seq, emitted)))
-        self.stats.record_step(len(step.seqs), emitted_total, drafted, accepted, seconds)
-        self.stats.record_speculation(sum(s.step_k for s in step.seqs), len(step.seqs), self.k)
+        self.stats.record_step(len(out), emitted_total, drafted, accepted, seconds)
+        self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)

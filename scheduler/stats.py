@@ -23,6 +23,7 @@ class SpecStats:
     schedule_s: float = 0.0
     num_spec_off_steps: int = 0      # steps in which no sequence proposed (k > 0 configured)
     num_draft_worker_failures: int = 0
+    num_target_worker_failures: int = 0
     last_mean_k: float = 0.0
     proposed_at: list[int] = field(default_factory=list)    # per proposal position
     accepted_at: list[int] = field(default_factory=list)
@@ -82,6 +83,7 @@ class SpecStats:
             "driver_overhead_s": max(self.busy_s - self.schedule_s - self.draft_s - self.verify_s, 0.0),
             "num_spec_off_steps": self.num_spec_off_steps,
             "num_draft_worker_failures": self.num_draft_worker_failures,
+            "num_target_worker_failures": self.num_target_worker_failures,
             "mean_k": self.last_mean_k,
             "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
             "mean_step_s": self.busy_s / steps if steps else 0.0,

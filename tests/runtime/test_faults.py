@@ -1,6 +1,7 @@
-"""A draft worker killed mid-generation (SIGKILL of its process): every request
-finishes with the undisturbed greedy output, the driver decodes on the target alone while
-the draft is gone, and speculation resumes once Ray has restarted it."""
+"""Workers killed mid-generation (SIGKILL of their processes): every request finishes with
+the undisturbed greedy output. Without its draft worker the driver decodes on the target
+alone and resumes speculation once Ray has restarted it; the sequences of a dead target
+worker are requeued with their tokens and recomputed on the restarted one."""
 
 from __future__ import annotations
 
@@ -20,26 +21,35 @@ def alive_pids(cls: str) -> list[int]:
     return [a["Pid"] for a in actors().values() if a["ActorClassName"] == cls and a["State"] == "ALIVE"]
 
 
+PROMPTS = [torch.randint(0, 97, (4 + i,), generator=torch.Generator().manual_seed(200 + i)).tolist()
+           for i in range(6)]
+
+
+def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
+    """Stream one request and generate the rest alongside; SIGKILL ``victim`` as soon as
+    the stream yields its first tokens. Returns every request's tokens."""
+    batch: list = []
+    others = threading.Thread(target=lambda: batch.extend(
+        rt.generate(PROMPTS[1:], SamplingParams(max_tokens=160, temperature=0.0))))
+    others.start()
+    streamed: list[int] = []
+    for delta in rt.stream(PROMPTS[0], SamplingParams(max_tokens=160, temperature=0.0)):
+        if not streamed and delta.token_ids:
+            os.kill(victim, signal.SIGKILL)     # mid-generation, with the batch in flight
+        streamed += delta.token_ids
+    others.join(timeout=300)
+    return [streamed] + [o.token_ids for o in batch]
+
+
 def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
     t, d = llama_pair
-    prompts = [torch.randint(0, 97, (4 + i,), generator=torch.Generator().manual_seed(200 + i)).tolist()
-               for i in range(6)]
+    prompts = PROMPTS
     expected = hf_greedy(t, prompts, 160)
     rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                    dtype="float32", max_worker_restarts=2))
     try:
         (victim,) = alive_pids("DraftWorker")
-        batch: list = []
-        others = threading.Thread(target=lambda: batch.extend(
-            rt.generate(prompts[1:], SamplingParams(max_tokens=160, temperature=0.0))))
-        others.start()
-        streamed: list[int] = []
-        for delta in rt.stream(prompts[0], SamplingParams(max_tokens=160, temperature=0.0)):
-            if not streamed and delta.token_ids:
-                os.kill(victim, signal.SIGKILL)     # mid-generation, with the batch in flight
-            streamed += delta.token_ids
-        others.join(timeout=300)
-        assert [streamed] + [o.token_ids for o in batch] == expected
+        assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["num_draft_worker_failures"] >= 1
         # Ray restarted it (a new process) and speculation resumed.
@@ -52,5 +62,22 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         after = rt.metrics()
         assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
+    finally:
+        rt.shutdown()
+
+
+def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair):
+    t, d = llama_pair
+    expected = hf_greedy(t, PROMPTS, 160)
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", max_worker_restarts=2))
+    try:
+        (victim,) = alive_pids("TargetWorker")
+        assert kill_mid_generation(rt, victim) == expected
+        m = rt.metrics()
+        assert m["num_target_worker_failures"] >= 1
+        assert m["num_preemptions"] >= 1          # its sequences were requeued and recomputed
+        assert m["target_workers_down"] == []
+        assert alive_pids("TargetWorker") and alive_pids("TargetWorker")[0] != victim
     finally:
         rt.shutdown()
