@@ -13,6 +13,7 @@ from specray_testing import hf_greedy
 from runtime import RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 48
+CLUSTER_REF: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,7 @@ def cluster():
         node = c.add_node(num_cpus=0, resources={f"specray_{kind}": amount}, object_store_memory=80 * 1024 * 1024)
         nodes[kind].append(node.node_id)
     c.wait_for_nodes()
+    CLUSTER_REF["cluster"] = c
     ray.init(address=c.address, log_to_driver=False)
     yield nodes
     ray.shutdown()
@@ -82,3 +84,34 @@ def test_unplaceable_workers_fail_clearly(cluster, llama_pair):
     cfg = config(t, d, num_draft_workers=3, placement_strategy="STRICT_SPREAD", placement_timeout_s=3)
     with pytest.raises(Exception, match="cannot place"):
         SpecRuntime(cfg)
+
+
+def test_losing_a_draft_node_mid_run_changes_no_output(cluster, llama_pair):
+    """Runs last in this module: it removes a node of the shared cluster. The lost draft
+    worker cannot come back (no other node offers specray_draft), so its sequences finish
+    on the target alone and metrics() says the worker is down."""
+    import threading
+
+    t, d = llama_pair
+    rt = SpecRuntime(config(t, d, num_draft_workers=2, max_worker_restarts=1))
+    try:
+        nodes = {n.node_id: n for n in CLUSTER_REF["cluster"].worker_nodes}
+        victim_node = nodes[placement("DraftWorker")[0]]
+        outs: list = []
+        worker = threading.Thread(target=lambda: outs.extend(
+            rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))))
+        streamed = []
+        for delta in rt.stream(prompts()[0], SamplingParams(max_tokens=40, temperature=0.0)):
+            if not streamed and delta.token_ids:
+                worker.start()
+                CLUSTER_REF["cluster"].remove_node(victim_node)
+            streamed += delta.token_ids
+        worker.join(timeout=300)
+        expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
+        assert [o.token_ids for o in outs] == expected
+        assert streamed == hf_greedy(t, [prompts()[0]], 40)[0]
+        m = rt.metrics()
+        assert m["num_draft_worker_failures"] >= 1
+        assert len(m["draft_workers_down"]) == 1
+    finally:
+        rt.shutdown()
