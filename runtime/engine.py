@@ -96,7 +96,6 @@ class Engine:
                     # Its sequences verify without proposals this step (plain decoding).
                     step.lost_drafts.add(r)
                     self.scheduler.draft_lost(r)
-                    self.scheduler.stats.num_draft_worker_failures += 1
             if any(p.seq_ids for p, _ in shards):
                 draft_s = time.perf_counter() - t_draft
         t1 = time.perf_counter()
@@ -119,7 +118,6 @@ class Engine:
                 # Its sequences are requeued with every token they had; nothing is lost.
                 step.lost_targets.add(r)
                 self.scheduler.target_lost(r)
-                self.scheduler.stats.num_target_worker_failures += 1
         verify_s = time.perf_counter() - t1
         self.scheduler.stats.record_phases(draft_s, verify_s)
         self.scheduler.observe_times(step, draft_s, verify_s)

@@ -277,6 +277,7 @@ class Scheduler:
         """A draft worker died (or came back empty): its sequences decode on the target
         alone until ``draft_back``; whatever it cached is gone (computed = 0 there)."""
         self.drafts_down.add(rank)
+        self.stats.num_draft_worker_failures += 1
         if self.draft_pools:
             self.draft_pools[rank].reset()
         self._draft_frees[rank] = []
@@ -292,6 +293,7 @@ class Scheduler:
         """A target worker died: its sequences go back to the queue with every token they
         emitted (recomputed later, on it once restarted or on another target worker)."""
         self.targets_down.add(rank)
+        self.stats.num_target_worker_failures += 1
         for seq in [s for s in self.running if s.target_rank == rank]:
             self._preempt(seq)
         self.target_pools[rank].reset()
@@ -307,7 +309,10 @@ class Scheduler:
         plan.draft_rows = merged.draft_rows
 
     def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
-        """Feed measured call times to the policy's cost model."""
+        """Feed measured call times to the policy's cost model (only an adaptive policy
+        uses one)."""
+        if self.policy.kind != "adaptive":
+            return
         plans = [p for p in step.target_plans if p is not None and p.seq_ids]
         fed = sum(sum(p.num_new) for p in plans)
         proposed = sum(sum(p.proposal_lens) for p in plans)

@@ -25,6 +25,7 @@ happen in the same steps: a draft call serves them together instead of one every
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 POLICIES = ("static", "adaptive")
@@ -52,38 +53,57 @@ class AcceptanceEstimate:
 
 
 class LinearFit:
-    """Least squares ``y ~ w . x`` over a sliding window, in plain Python (3-4 features)."""
+    """Least squares ``y ~ w . x`` over a sliding window, in plain Python (3-4 features).
+
+    The normal equations are kept as running sums (a sample leaving the window is
+    subtracted), and solved lazily when a prediction needs fresh weights: an observation
+    costs O(features^2) on the step loop, not a pass over the window."""
 
     def __init__(self, num_features: int, window: int = 256, prior: list[float] | None = None) -> None:
         self.n = num_features
         self.window = window
-        self.samples: list[tuple[list[float], float]] = []
-        self.weights = list(prior) if prior else [0.0] * num_features
+        self.samples: deque[tuple[list[float], float]] = deque()
+        self._weights = list(prior) if prior else [0.0] * num_features
+        self._xtx = [[0.0] * num_features for _ in range(num_features)]
+        self._xty = [0.0] * num_features
+        self._dirty = False
 
     def add(self, x: list[float], y: float) -> None:
+        self._accumulate(x, y, 1.0)
         self.samples.append((x, y))
         if len(self.samples) > self.window:
-            del self.samples[0]
-        if len(self.samples) >= 2 * self.n:
+            self._accumulate(*self.samples.popleft(), -1.0)
+        self._dirty = True
+
+    def _accumulate(self, x: list[float], y: float, sign: float) -> None:
+        for i in range(self.n):
+            self._xty[i] += sign * x[i] * y
+            row = self._xtx[i]
+            for j in range(self.n):
+                row[j] += sign * x[i] * x[j]
+
+    @property
+    def weights(self) -> list[float]:
+        if self._dirty and len(self.samples) >= 2 * self.n:
             self._solve()
+        return self._weights
+
+    @weights.setter
+    def weights(self, value: list[float]) -> None:
+        self._weights = list(value)
+        self._dirty = False
 
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x))
 
     def _solve(self) -> None:
-        n = self.n
-        # Normal equations with a small ridge term: features are often collinear early on.
-        a = [[1e-9 * (i == j) for j in range(n)] for i in range(n)]
-        b = [0.0] * n
-        for x, y in self.samples:
-            for i in range(n):
-                b[i] += x[i] * y
-                for j in range(n):
-                    a[i][j] += x[i] * x[j]
-        w = _solve_linear(a, b)
+        self._dirty = False
+        # A small ridge term: features are often collinear early on.
+        a = [[v + 1e-9 * (i == j) for j, v in enumerate(row)] for i, row in enumerate(self._xtx)]
+        w = _solve_linear(a, list(self._xty))
         if w is not None:
             # Step time never shrinks with more work: negative slopes are noise.
-            self.weights = [max(v, 0.0) for v in w]
+            self._weights = [max(v, 0.0) for v in w]
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
