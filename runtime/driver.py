@@ -252,7 +252,15 @@ class DriverCore:
                 while not self._stop and not self._incoming and not self.scheduler.has_work:
                     if not exported:
                         break
-                    self._cv.wait()
+                    if self.engine.degraded:
+                        # Idle with a worker lost: keep watching for it to come back.
+                        self._cv.wait(timeout=0.25)
+                        try:
+                            self.engine.poll_workers()
+                        except Exception as e:  # noqa: BLE001 - the loop must outlive it
+                            self._last_error = f"{type(e).__name__}: {e}"
+                    else:
+                        self._cv.wait()
                 if self._stop:
                     return
                 incoming, self._incoming = self._incoming, []

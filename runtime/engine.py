@@ -58,7 +58,13 @@ class Engine:
         self.target_down_timeout_s = target_down_timeout_s
         self._all_down_since: float | None = None
 
-    def _check_recovered(self) -> None:
+    @property
+    def degraded(self) -> bool:
+        return bool(self.scheduler.drafts_down or self.scheduler.targets_down)
+
+    def poll_workers(self) -> None:
+        """Take back every lost worker that answers again. Cheap and non-blocking, so the
+        driver also calls it while idle: recovery shows in ``metrics()`` without traffic."""
         sched = self.scheduler
         for r in list(sched.drafts_down):
             if self.proposers[r].alive():
@@ -66,6 +72,10 @@ class Engine:
         for r in list(sched.targets_down):
             if self.verifiers[r].alive():
                 sched.target_back(r)
+
+    def _check_recovered(self) -> None:
+        sched = self.scheduler
+        self.poll_workers()
         if len(sched.targets_down) < len(self.verifiers):
             self._all_down_since = None
             return
@@ -78,7 +88,7 @@ class Engine:
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, tokens appended) for each scheduled sequence."""
         t0 = time.perf_counter()
-        if self.scheduler.drafts_down or self.scheduler.targets_down:
+        if self.degraded:
             self._check_recovered()
         step = self.scheduler.schedule()
         if step is None:

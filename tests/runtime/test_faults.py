@@ -57,6 +57,10 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
         while not (alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim) and time.time() < deadline:
             time.sleep(0.5)
         assert alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim
+        # The idle driver notices by itself; no request is needed for that.
+        while rt.metrics()["draft_workers_down"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert rt.metrics()["draft_workers_down"] == []
         before = rt.metrics()["num_draft_tokens"]
         again = rt.generate(prompts[:2], SamplingParams(max_tokens=40, temperature=0.0))
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
