@@ -158,7 +158,10 @@ class Scheduler:
             pool = self._draft_pool(seq)
             if pool is not None:
                 pool.free(seq.seq_id)
-            self._draft_frees[seq.draft_rank].append(seq.seq_id)
+            # Not to a draft worker that is down: it comes back empty, and a queued free
+            # would be a plan -- a call -- to a dead worker.
+            if seq.draft_rank not in self.drafts_down:
+                self._draft_frees[seq.draft_rank].append(seq.seq_id)
 
     def _place(self, seq: Sequence, t_load: list[int], d_load: list[int]) -> None:
         """Pick the least loaded target and draft worker (by tokens) for a newcomer; a

@@ -15,6 +15,10 @@ exactly its own sequences and exactly the frees of the sequences it held that fi
 were preempted since its last plan (a plan may carry only frees); preemption on a target
 rank takes the newest sequences of that rank; and once the workers applied their plans
 every rank's pool equals the driver's mirror of it.
+
+Workers can also die (``kill_draft`` / ``kill_target``), between steps or during their call
+the way ``runtime/engine.py`` reports it, and a killed fake worker comes back holding nothing:
+any plan that still trusts what it held fails the ``num_computed`` check above.
 """
 
 from __future__ import annotations
@@ -167,6 +171,9 @@ class Engine:
     preemptions: list[Preemption] = field(default_factory=list)
     _frees_t: list[set[int]] = field(default_factory=list)               # frees owed to each rank
     _frees_d: list[set[int]] = field(default_factory=list)
+    # ranks whose call fails in the next step (the worker dies mid-step, as Engine.step sees it)
+    fail_drafts: set[int] = field(default_factory=set)
+    fail_targets: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         assert len(self.targets) == len(self.sched.target_pools)
@@ -182,6 +189,38 @@ class Engine:
     def draft(self) -> FakeWorker:
         assert len(self.drafts) == 1
         return self.drafts[0]
+
+    def _owe(self, seq_id: int, t: int, d: int) -> None:
+        """A released sequence's frees are owed to its ranks -- except to a rank that is down:
+        it restarts empty, and a plan for it would be a call to a dead worker."""
+        if t not in self.sched.targets_down:
+            self._frees_t[t].add(seq_id)
+        if self._frees_d and d not in self.sched.drafts_down:
+            self._frees_d[d].add(seq_id)
+
+    def kill_draft(self, d: int, step: ScheduledStep | None = None) -> None:
+        """Draft worker ``d`` dies: between steps (``step`` None), or during ``step``'s call.
+        It restarts empty, so any trust in what it held shows up as a stale prefix."""
+        worker = self.drafts[d]
+        self.drafts[d] = FakeWorker(worker.name, worker.blocks.num_blocks, worker.blocks.block_size)
+        self._frees_d[d].clear()
+        if step is not None:
+            step.lost_drafts.add(d)
+        self.sched.draft_lost(d)
+
+    def kill_target(self, r: int, step: ScheduledStep | None = None) -> None:
+        worker = self.targets[r]
+        self.targets[r] = FakeWorker(worker.name, worker.blocks.num_blocks, worker.blocks.block_size)
+        self._frees_t[r].clear()
+        for s in self.sched.running:
+            if s.target_rank == r:
+                # requeued: its draft rank is owed a free, the dead target nothing
+                del self.ranks[s.seq_id]
+                if self._frees_d and s.draft_rank not in self.sched.drafts_down:
+                    self._frees_d[s.draft_rank].add(s.seq_id)
+        if step is not None:
+            step.lost_targets.add(r)
+        self.sched.target_lost(r)
 
     def truth(self, step: ScheduledStep) -> dict[int, list[int]]:
         return {s.seq_id: list(s.tokens) for s in step.seqs}
@@ -204,7 +243,8 @@ class Engine:
         self.check_mirrors(step)
         out = sched.update(step, results)
         sched.check_integrity()
-        assert [s for s, _ in out] == [s for seqs in step.target_seqs for s in seqs]
+        assert [s for s, _ in out] == [s for r, seqs in enumerate(step.target_seqs)
+                                       if r not in step.lost_targets for s in seqs]
         for seq, appended in out:
             self.outputs.setdefault(seq.seq_id, []).extend(appended)
             assert self.outputs[seq.seq_id] == seq.output_tokens
@@ -213,9 +253,7 @@ class Engine:
                 self.finished[seq.seq_id] = seq
                 del self.ranks[seq.seq_id]
                 # its workers are told with their next plan
-                self._frees_t[seq.target_rank].add(seq.seq_id)
-                if self._frees_d:
-                    self._frees_d[seq.draft_rank].add(seq.seq_id)
+                self._owe(seq.seq_id, seq.target_rank, seq.draft_rank)
             else:
                 assert self.ranks[seq.seq_id] == (seq.target_rank, seq.draft_rank)
         if self.on_step is not None:
@@ -261,9 +299,7 @@ class Engine:
                      if xt != t and x.seq_id in kept_ids]
             self.preemptions.append(Preemption(step.step_id, s.seq_id, t, newer))
             del self.ranks[s.seq_id]
-            self._frees_t[t].add(s.seq_id)
-            if self._frees_d:
-                self._frees_d[d].add(s.seq_id)
+            self._owe(s.seq_id, t, d)
         if preempted and kept:
             assert not admitted, "a step that had to preempt admits nobody"
 
@@ -336,21 +372,26 @@ class Engine:
     def check_mirrors(self, step: ScheduledStep) -> None:
         """Once every worker has applied the step's plan it has seen exactly the operations
         the driver's mirror of its pool has: the same blocks per sequence and the same free
-        count. A worker holds only sequences that run on its rank."""
+        count. A worker holds only sequences that run on its rank.
+
+        The one exception is a sequence requeued mid-step by a dead target worker after its
+        draft worker already ran it: the mirror let it go, the draft worker hears so with its
+        next plan, so it is compared as if that owed free were applied already."""
         sched = self.sched
-        pairs = [(mirror, worker, {s.seq_id for s in sched.running if s.target_rank == r})
+        pairs = [(mirror, worker, {s.seq_id for s in sched.running if s.target_rank == r}, self._frees_t[r])
                  for r, (mirror, worker) in enumerate(zip(sched.target_pools, self.targets))]
         if sched.num_draft_ranks:
             on_draft = [{s.seq_id for s in sched.running if s.draft_rank == d} for d in range(sched.num_draft_ranks)]
             for d, mirror in enumerate(sched.draft_pools):
-                pairs.append((mirror, self.drafts[d], on_draft[d]))
+                pairs.append((mirror, self.drafts[d], on_draft[d], self._frees_d[d]))
             for d, worker in enumerate(self.drafts[:sched.num_draft_ranks]):
-                assert set(worker.cache) <= on_draft[d], f"{worker.name} holds another rank's sequence"
-        for mirror, worker, owners in pairs:
+                assert set(worker.cache) <= on_draft[d] | self._frees_d[d], f"{worker.name} holds another rank's sequence"
+        for mirror, worker, owners, owed in pairs:
             assert set(mirror._tables) <= owners, "a sequence holds blocks on a rank it does not run on"
-            assert set(worker.cache) <= owners, f"{worker.name} holds a sequence it was told to free"
-            assert mirror.num_free_blocks == worker.blocks.num_free_blocks
-            for sid in set(mirror._tables) | set(worker.blocks._tables):
+            assert set(worker.cache) <= owners | owed, f"{worker.name} holds a sequence it was told to free"
+            held_by_owed = sum(len(worker.blocks.block_table(sid)) for sid in owed)
+            assert mirror.num_free_blocks == worker.blocks.num_free_blocks + held_by_owed
+            for sid in (set(mirror._tables) | set(worker.blocks._tables)) - owed:
                 assert len(mirror.block_table(sid)) == len(worker.blocks.block_table(sid))
 
     def propose(self, step: ScheduledStep, truth: dict[int, list[int]]) -> None:
@@ -358,6 +399,10 @@ class Engine:
         shards: list[Proposals] = []
         for d, dplan in enumerate(step.draft_plans):
             if dplan is None:
+                continue
+            if d in self.fail_drafts:
+                # its sequences verify without proposals this step
+                self.kill_draft(d, step)
                 continue
             plan = roundtrip(dplan)
             k = plan.k
@@ -394,7 +439,8 @@ class Engine:
         shards = [decode(encode(s), expected=Proposals) for s in reversed(shards)]
         prob_rows = [sid for s in shards if s.has_probs for sid in s.seq_ids]
         for r, tplan in enumerate(step.target_plans):
-            if tplan is None or not tplan.seq_ids:
+            # like Engine.step: when every draft call failed no proposals are attached at all
+            if tplan is None or not tplan.seq_ids or not shards:
                 continue
             merged = merge_proposals(tplan.seq_ids, tplan.k, shards)
             for i, sid in enumerate(tplan.seq_ids):
@@ -416,6 +462,11 @@ class Engine:
         results: list[StepResult | None] = []
         for r, tplan in enumerate(step.target_plans):
             if tplan is None:
+                results.append(None)
+                continue
+            if r in self.fail_targets:
+                # its sequences are requeued with every token they had; update gets None for it
+                self.kill_target(r, step)
                 results.append(None)
                 continue
             plan = roundtrip(tplan)
@@ -1425,6 +1476,106 @@ def test_random_scenarios_with_several_workers(scenario):
     assert len(eng.finished) == total
 
 
+@pytest.mark.parametrize("scenario", range(30))
+def test_random_scenarios_with_worker_deaths(scenario):
+    """Random arrivals, finishes and preemptions while draft and target workers die -- between
+    steps or during their call, as Engine.step sees it -- and come back empty some steps later;
+    now and then every target worker is down at once. A restarted fake worker holds nothing, so
+    any plan that still trusts its old KV fails the num_computed check, and greedy outputs must
+    not change at all."""
+    rng = random.Random(9000 + scenario)
+    T, D = rng.randrange(1, 4), rng.randrange(1, 4)
+    k = rng.choice([0, 1, 2, 3, 4, 4])
+    block_size = rng.choice([1, 2, 4, 8])
+    tml = rng.randrange(8, 64)
+    dml = rng.choice([None, None, rng.randrange(4, tml + 8)])
+    need = -(-(tml - 1) // block_size)                    # one sequence at full length
+    tblocks = [rng.choice([need, need + 1, need + rng.randrange(0, 2 * need), 10 * need]) for _ in range(T)]
+    dblocks = rng.choice([None, [rng.choice([1, rng.randrange(1, 2 * need + 2), 10 * need]) for _ in range(D)]])
+    eng = build(k=k, target_max_len=tml, draft_max_len=dml, block_size=block_size, target_ranks=T, draft_ranks=D,
+                target_blocks=tblocks, draft_blocks=dblocks, max_num_seqs=rng.randrange(1, 10),
+                max_num_batched_tokens=rng.randrange(1, 150))
+    sched = eng.sched
+    wrong_mod = rng.randrange(1, 6)
+    eng.draft_wrong = lambda sid, pos: (sid * 5 + pos * 3) % 7 < wrong_mod - 1
+    eng.num_shards = rng.randrange(1, 4)
+    eng.probs = rng.random() < 0.5
+    stop_ids = rng.sample(range(V), rng.randrange(0, 4))
+    p_kill = rng.uniform(0.03, 0.12)
+    deaths = {"draft": 0, "target": 0}
+    back_at: dict[tuple[str, int], int] = {}              # (kind, rank) -> tick it answers again
+    tick = 0
+
+    def went_down(kind: str, rank: int, for_ticks: int) -> None:
+        deaths[kind] += 1
+        back_at[(kind, rank)] = tick + for_ticks
+
+    def plan_faults(step):
+        assert all(s.step_k in (0, expected_k(sched.config, k, s.num_tokens, s.remaining)) for s in step.seqs)
+        # a rank that is down gets no call at all: no sequences, no frees
+        assert all(step.target_plans[r] is None for r in sched.targets_down)
+        assert all(step.draft_plans[d] is None for d in sched.drafts_down)
+        assert all(s.step_k == 0 for s in step.seqs if s.draft_rank in sched.drafts_down)
+        # only a worker that is called can fail during the call
+        for d, plan in enumerate(step.draft_plans):
+            if plan is not None and rng.random() < p_kill:
+                eng.fail_drafts.add(d)
+                went_down("draft", d, rng.randrange(0, 6))
+        for r, plan in enumerate(step.target_plans):
+            if plan is not None and rng.random() < p_kill:
+                eng.fail_targets.add(r)
+                went_down("target", r, rng.randrange(0, 6))
+    eng.on_plan = plan_faults
+
+    total = rng.randrange(3, 25)
+    ref: dict[int, tuple[list[int], str]] = {}
+    next_id = 1
+    while next_id <= total or sched.has_work:
+        tick += 1
+        assert tick < 5000
+        while next_id <= total and (not sched.has_work or rng.random() < 0.4):
+            ref |= add_requests(eng, [(next_id, rng.randrange(1, tml), rng.randrange(1, 40))], stop_ids)
+            next_id += 1
+        # Engine.poll_workers: a worker that answers again is taken back before scheduling
+        for (kind, rank), t in list(back_at.items()):
+            if tick >= t:
+                (sched.draft_back if kind == "draft" else sched.target_back)(rank)
+                del back_at[(kind, rank)]
+        for d in range(sched.num_draft_ranks):
+            if d not in sched.drafts_down and rng.random() < p_kill / 2:
+                eng.kill_draft(d)
+                went_down("draft", d, rng.randrange(0, 6))
+        if rng.random() < 0.04:
+            # an outage of every target worker for a few steps
+            for r in set(range(T)) - sched.targets_down:
+                eng.kill_target(r)
+                went_down("target", r, rng.randrange(1, 5))
+        for r in set(range(T)) - sched.targets_down:
+            if rng.random() < p_kill / 2:
+                eng.kill_target(r)
+                went_down("target", r, rng.randrange(0, 6))
+        sched.check_integrity()
+        if len(sched.targets_down) == T:
+            # the Engine waits for a target worker; meanwhile nothing is planned and nothing dropped
+            waiting = list(sched.waiting)
+            assert not eng.step()
+            assert not sched.running and list(sched.waiting) == waiting
+            continue
+        assert eng.step()
+        eng.fail_drafts.clear()
+        eng.fail_targets.clear()
+        for w in eng.targets + eng.drafts:
+            w.blocks.check_integrity()
+        # a requeued sequence keeps every token it emitted
+        for s in sched.waiting:
+            assert eng.outputs.get(s.seq_id, []) == s.output_tokens
+    assert_matches_reference(eng, ref)
+    assert len(eng.finished) == total
+    assert len({s.request_id for s in eng.finished.values()}) == total
+    assert sched.stats.num_draft_worker_failures == deaths["draft"]
+    assert sched.stats.num_target_worker_failures == deaths["target"]
+
+
 # -- bugs found while writing these tests ---------------------------------------------------------------
 
 def test_self_preemption_on_a_small_pool_moves_to_a_pool_that_fits():
@@ -1453,3 +1604,25 @@ def test_update_rejects_a_malformed_result_before_applying_any():
     with pytest.raises(ValueError):
         eng.sched.update(step, [good, bad])
     assert [s.num_tokens for s in step.seqs] == [3, 3, 3]
+
+
+def test_a_draft_worker_that_is_down_gets_no_plan_not_even_frees():
+    # A sequence that finished (or was requeued) while its draft worker was down used to queue
+    # a free for that worker; the next step then sent a frees-only plan to the dead worker, and
+    # the Engine counted its failed call as a second failure.
+    eng = build(k=2)
+    ref = add_requests(eng, [(1, 4, 3), (2, 4, 30)])
+    eng.step()
+    eng.kill_draft(0)
+
+    def no_draft_call(step):
+        assert step.draft_plans == [None]
+    eng.on_plan = no_draft_call
+    while 1 not in eng.finished:
+        eng.step()
+    eng.step()                  # the free of sequence 1 would have gone out with this step
+    eng.on_plan = None
+    eng.sched.draft_back(0)
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert eng.sched.stats.num_draft_worker_failures == 1
