@@ -132,10 +132,18 @@ def check_against(info: dict, item: Item) -> str | None:
 def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
     """Generate for ``items``. The runtime admits a call whole or not at all and names its
     first bad request: drop that line, report it, and resubmit the rest."""
+    from runtime.driver import Overloaded
+
     pending = list(items)
+    backoff = 0.05
     while pending:
         try:
             outs = rt.generate([it.prompt for it in pending], [it.params for it in pending])
+        except Overloaded:
+            # Other callers filled the driver's queue: wait for room rather than fail the file.
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
+            continue
         except ValueError as e:
             m = _REQUEST_ERROR.fullmatch(str(e))
             if m is None or int(m[1]) >= len(pending):

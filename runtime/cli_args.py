@@ -26,6 +26,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-pending", type=int, default=4096,
+                   help="unfinished requests the driver holds; submits past it are refused (Overloaded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="static", choices=["static", "adaptive"],
                    help="speculation policy: fixed k, or per-sequence k_i chosen for goodput")
@@ -60,7 +62,7 @@ def runtime_config(args, **extra):
     return RuntimeConfig(
         target=target, draft=draft, proposer=args.proposer, num_speculative_tokens=args.num_speculative_tokens,
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_pending=args.max_pending, seed=args.seed,
         num_draft_workers=args.num_draft_workers, num_target_workers=args.num_target_workers,
         draft_resources=args.draft_resources, target_resources=args.target_resources,
         placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout,

@@ -7,7 +7,7 @@ from typing import Iterator, Sequence as Seq
 import ray
 
 from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore, SubmitReply
+from runtime.driver import DriverCore, Overloaded, SubmitReply
 from runtime import ray_env
 from runtime.request_output import RequestOutput
 from scheduler.sampling_params import SamplingParams
@@ -93,6 +93,8 @@ class SpecRuntime:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"request {i}: params must be SamplingParams, got {type(p).__name__}")
         reply: SubmitReply = ray.get(self._driver.submit.remote(prompts, plist))
+        if reply.overloaded:
+            raise Overloaded(reply.error)
         if reply.error:
             raise ValueError(reply.error)
         return reply.request_ids

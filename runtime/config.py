@@ -20,6 +20,7 @@ class RuntimeConfig:
     max_model_len: int | None = None         # None: the target's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_pending: int = 4096                  # accepted, unfinished requests; a submit past it is refused
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -59,6 +60,7 @@ class RuntimeConfig:
             if self.max_model_len < 2:
                 raise ValueError("max_model_len must be >= 2")
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_pending", self.max_pending)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")

@@ -25,10 +25,16 @@ from workers import model_loader
 from runtime.worker_pool import start_workers
 
 
+class Overloaded(RuntimeError):
+    """The driver already holds ``max_pending`` unfinished requests. Nothing of the refused
+    submit was admitted; retrying later is safe."""
+
+
 @dataclass
 class SubmitReply:
     request_ids: list[str]
     error: str | None = None
+    overloaded: bool = False     # the requests were valid; the driver had no room for them
 
 
 @dataclass
@@ -110,6 +116,14 @@ class DriverCore:
         with self._cv:
             if self._stop:
                 return SubmitReply([], "the runtime is shut down")
+            # Bounded memory: the queue never holds more than max_pending unfinished requests.
+            # Counted here (not kept as a running total) so no path that ends a request can
+            # forget to decrement it; O(max_pending) per submit is microseconds.
+            pending = sum(1 for r in self._requests.values() if not r.seq.finished)
+            if pending + len(seqs) > self.config.max_pending:
+                return SubmitReply([], f"overloaded: {pending} requests pending, max_pending is "
+                                       f"{self.config.max_pending}; this submit of {len(seqs)} was refused, "
+                                       "retry once some finish", overloaded=True)
             for seq, prompt in seqs:
                 self._requests[seq.request_id] = _Request(seq, prompt)
                 self._incoming.append(seq)
@@ -225,7 +239,10 @@ class DriverCore:
 
     def metrics(self) -> dict:
         m = self.scheduler.stats.as_dict()
+        dead_drafts, dead_targets = self.engine.dead()
         m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+                 # accepted and not yet delivered (finished ones wait here for their caller)
+                 num_requests_held=len(self._requests), max_pending=self.config.max_pending,
                  target_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.target_pools],
                  target_kv_blocks_total=[p.num_blocks for p in self.scheduler.target_pools],
                  draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],
@@ -233,6 +250,7 @@ class DriverCore:
                  num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
                  draft_workers_down=sorted(self.scheduler.drafts_down),
                  target_workers_down=sorted(self.scheduler.targets_down),
+                 draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  num_speculative_tokens=self.config.k, proposer=self.config.proposer,
                  last_error=self._last_error)
         return m

@@ -28,6 +28,7 @@ class WorkerCall(Protocol):
     def submit(self, plan: StepPlan, *args: Any) -> Any: ...
     def wait(self, handle: Any) -> Any: ...
     def alive(self) -> bool: ...
+    def gone(self) -> bool: ...
 
 
 class LocalCall:
@@ -44,6 +45,9 @@ class LocalCall:
 
     def alive(self) -> bool:
         return True
+
+    def gone(self) -> bool:
+        return False
 
 
 class Engine:
@@ -62,6 +66,11 @@ class Engine:
     def degraded(self) -> bool:
         return bool(self.scheduler.drafts_down or self.scheduler.targets_down)
 
+    def dead(self) -> tuple[list[int], list[int]]:
+        """Ranks of the draft and target workers that will not come back."""
+        return ([r for r, p in enumerate(self.proposers) if p.gone()],
+                [r for r, v in enumerate(self.verifiers) if v.gone()])
+
     def poll_workers(self) -> None:
         """Take back every lost worker that answers again. Cheap and non-blocking, so the
         driver also calls it while idle: recovery shows in ``metrics()`` without traffic."""
@@ -79,6 +88,9 @@ class Engine:
         if len(sched.targets_down) < len(self.verifiers):
             self._all_down_since = None
             return
+        if all(v.gone() for v in self.verifiers):
+            raise RuntimeError("every target worker is dead: Ray restarted each max_worker_restarts times "
+                               "and none will come back")
         now = time.monotonic()
         self._all_down_since = self._all_down_since or now
         if now - self._all_down_since > self.target_down_timeout_s:

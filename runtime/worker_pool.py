@@ -50,8 +50,10 @@ class _RayWorkerCall:
     """A worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
     ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer."""
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, max_restarts: int) -> None:
         self.actor = actor
+        self.max_restarts = max_restarts   # -1: Ray restarts it forever
+        self.losses = 0
         self._ready = None        # a ready() call in flight while the actor is lost
         self._asked = 0.0
 
@@ -63,14 +65,23 @@ class _RayWorkerCall:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
+            # A lost call or an empty restarted worker: either way one death (a worker
+            # that is down gets no calls, so a death is not counted twice).
+            self.losses += 1
             self._ask()
             raise WorkerLost(str(e)) from None
+
+    def gone(self) -> bool:
+        """Dead more often than Ray restarts it: it will not come back."""
+        return 0 <= self.max_restarts < self.losses
 
     def alive(self) -> bool:
         import ray
 
         if self._ready is None:
             return True
+        if self.gone():
+            return False
         done, _ = ray.wait([self._ready], timeout=0)
         if not done:
             return False
@@ -178,8 +189,9 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
         if pg is not None:
             remove_placement_group(pg)
         raise
-    proposers = [RayPropose(a) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
-    return WorkerPool([RayVerify(a) for a in targets], proposers, t_blocks, d_blocks, actors, pg)
+    restarts = cfg.max_worker_restarts
+    proposers = [RayPropose(a, restarts) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
+    return WorkerPool([RayVerify(a, restarts) for a in targets], proposers, t_blocks, d_blocks, actors, pg)
 
 
 def _bundle(opts: dict) -> dict:

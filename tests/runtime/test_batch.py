@@ -165,6 +165,21 @@ def test_generate_chunk_drops_each_refused_line_and_resubmits_the_rest():
     assert generate_chunk(rt, [Item(1, [99], SamplingParams())], lambda *a: None) == []
 
 
+def test_generate_chunk_waits_while_the_driver_is_overloaded():
+    from runtime import Overloaded
+
+    class Busy(FakeRuntime):
+        def generate(self, prompts, params):
+            if self.calls < 2:
+                self.calls += 1
+                raise Overloaded("overloaded: 4096 requests pending, max_pending is 4096")
+            return super().generate(prompts, params)
+
+    rt = Busy()
+    done = generate_chunk(rt, [Item(1, [1], SamplingParams()), Item(2, [2], SamplingParams())], lambda *a: None)
+    assert [it.line for it, _ in done] == [1, 2] and rt.calls == 3     # refused twice, not dropped
+
+
 def test_generate_all_writes_in_input_order_while_chunks_overlap(tmp_path):
     items = [Item(n, [n] if n % 5 else [99], SamplingParams()) for n in range(1, 15)]
     out = Output(str(tmp_path / "out.jsonl"))

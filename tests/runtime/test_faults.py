@@ -29,8 +29,14 @@ def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
     """Stream one request and generate the rest alongside; SIGKILL ``victim`` as soon as
     the stream yields its first tokens. Returns every request's tokens."""
     batch: list = []
-    others = threading.Thread(target=lambda: batch.extend(
-        rt.generate(PROMPTS[1:], SamplingParams(max_tokens=160, temperature=0.0))))
+    failed: list[BaseException] = []
+
+    def generate_rest():
+        try:
+            batch.extend(rt.generate(PROMPTS[1:], SamplingParams(max_tokens=160, temperature=0.0)))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            failed.append(e)
+    others = threading.Thread(target=generate_rest)
     others.start()
     streamed: list[int] = []
     for delta in rt.stream(PROMPTS[0], SamplingParams(max_tokens=160, temperature=0.0)):
@@ -38,6 +44,8 @@ def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
             os.kill(victim, signal.SIGKILL)     # mid-generation, with the batch in flight
         streamed += delta.token_ids
     others.join(timeout=300)
+    if failed:
+        raise failed[0]
     return [streamed] + [o.token_ids for o in batch]
 
 
@@ -83,5 +91,50 @@ def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair)
         assert m["num_preemptions"] >= 1          # its sequences were requeued and recomputed
         assert m["target_workers_down"] == []
         assert alive_pids("TargetWorker") and alive_pids("TargetWorker")[0] != victim
+    finally:
+        rt.shutdown()
+
+
+def actor_states(cls: str) -> list[str]:
+    return [a["State"] for a in actors().values() if a["ActorClassName"] == cls]
+
+
+def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair):
+    t, d = llama_pair
+    expected = hf_greedy(t, PROMPTS, 160)
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", max_worker_restarts=0))
+    try:
+        (victim,) = alive_pids("DraftWorker")
+        assert kill_mid_generation(rt, victim) == expected
+        m = rt.metrics()
+        assert m["draft_workers_dead"] == [0] and m["draft_workers_down"] == [0]
+        assert m["target_workers_dead"] == []
+        assert "DEAD" in actor_states("DraftWorker") and not alive_pids("DraftWorker")   # Ray agrees
+        again = rt.generate(PROMPTS[:2], SamplingParams(max_tokens=40, temperature=0.0))
+        assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
+        assert rt.metrics()["num_draft_tokens"] == m["num_draft_tokens"]     # plain decoding from now on
+    finally:
+        rt.shutdown()
+
+
+def test_requests_fail_clearly_once_every_target_worker_is_dead_for_good(ray_session, llama_pair):
+    t, d = llama_pair
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", max_worker_restarts=0, target_down_timeout_s=600))
+    try:
+        (victim,) = alive_pids("TargetWorker")
+        start = time.monotonic()
+        try:
+            kill_mid_generation(rt, victim)
+        except RuntimeError as e:
+            assert "every target worker is dead" in str(e)
+        else:
+            raise AssertionError("requests on a dead target pool must fail")
+        # Without waiting for target_down_timeout_s: a dead-for-good pool is known at once.
+        assert time.monotonic() - start < 120
+        m = rt.metrics()
+        assert m["target_workers_dead"] == [0]
+        assert "every target worker is dead" in m["last_error"]
     finally:
         rt.shutdown()
