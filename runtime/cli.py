@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"specray: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Each command releases its runtime in a finally block on the way here.
+        print("\nspecray: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -78,3 +78,59 @@ def test_output_check_flags_a_mismatch():
     check.check("a", [0, 1], [[1, 2, 3], [4, 5]])
     check.check("b", [0, 1], [[1, 2, 3], [4, 6]])
     assert check.mismatches == ["b: prompt 1 differs from the reference at token 1"]
+
+
+def specray_actors_and_groups(dashboard: str) -> tuple[list[str], list[str]]:
+    """Classes of the head's live specray actors and the states of its placement groups
+    that still hold resources."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    live = [a.class_name for a in list_actors(address=dashboard, filters=[("state", "!=", "DEAD")], limit=1000)
+            if a.class_name in ("Driver", "DraftWorker", "TargetWorker")]
+    groups = [g.state for g in list_placement_groups(address=dashboard, limit=1000) if g.state != "REMOVED"]
+    return live, groups
+
+
+@pytest.mark.parametrize("command", ["batch", "generate"])
+def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, tmp_path, command):
+    """Ctrl-C in the middle of work on a shared cluster: the CLI exits promptly and leaves
+    nothing behind on it (the cluster outlives the command, so nothing else would)."""
+    import signal
+    import time
+
+    _, dashboard, env = ray_head
+    t, d = llama_pair
+    # Resources make the workers go through a placement group, which must be removed too.
+    flags = ["-k", "3", "--device", "cpu", "--dtype", "float32",
+             "--draft-resources", '{"CPU": 0.01}', "--target-resources", '{"CPU": 0.01}']
+    if command == "batch":
+        inp = tmp_path / "in.jsonl"
+        inp.write_text("".join(json.dumps({"prompt": [1 + i % 90, 2, 3]}) + "\n" for i in range(20000)))
+        args = ["batch", "--target", t, "--draft", d, *flags, "--input", str(inp),
+                "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "64", "--no-progress"]
+    else:   # the built-in pair: a text prompt needs its tokenizer
+        args = ["generate", "def main():", *flags, "--max-tokens", "2000"]
+    proc = subprocess.Popen(SPECRAY + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            live, groups = specray_actors_and_groups(dashboard)
+            if sorted(live) == ["DraftWorker", "Driver", "TargetWorker"] and groups == ["CREATED"]:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the command never got going: {proc.communicate(timeout=30)[0][-3000:]}")
+        time.sleep(2.0)                                    # mid-generation
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=90)[0]
+        assert proc.returncode == 130, out[-3000:]
+        assert "Traceback" not in out and "specray: interrupted" in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.time() + 30
+    while time.time() < deadline and specray_actors_and_groups(dashboard) != ([], []):
+        time.sleep(0.5)
+    assert specray_actors_and_groups(dashboard) == ([], [])
