@@ -86,27 +86,55 @@ def test_unplaceable_workers_fail_clearly(cluster, llama_pair):
         SpecRuntime(cfg)
 
 
+def run_and_remove_node_midway(rt: SpecRuntime, node) -> tuple[list, list[int]]:
+    """Stream one request and, once it yields, start the rest and remove ``node``."""
+    import threading
+
+    outs: list = []
+    worker = threading.Thread(target=lambda: outs.extend(
+        rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))))
+    streamed: list[int] = []
+    for delta in rt.stream(prompts()[0], SamplingParams(max_tokens=40, temperature=0.0)):
+        if not streamed and delta.token_ids:
+            worker.start()
+            CLUSTER_REF["cluster"].remove_node(node)
+        streamed += delta.token_ids
+    worker.join(timeout=300)
+    return outs, streamed
+
+
+def test_losing_a_target_node_mid_run_changes_no_output(cluster, llama_pair):
+    """Two target workers on two nodes (STRICT_SPREAD); the node of one goes away with
+    sequences on it. They are requeued with their tokens and finish on the other one: the
+    lost worker's bundle has nowhere else to go under STRICT_SPREAD, so it stays down."""
+    t, d = llama_pair
+    c = CLUSTER_REF["cluster"]
+    extra = c.add_node(num_cpus=0, resources={"specray_target": 1}, object_store_memory=80 * 1024 * 1024)
+    c.wait_for_nodes()
+    rt = SpecRuntime(config(t, d, num_draft_workers=2, num_target_workers=2, max_worker_restarts=1,
+                            placement_strategy="STRICT_SPREAD"))
+    try:
+        assert sorted(placement("TargetWorker")) == sorted(cluster["target"] + [extra.node_id])
+        outs, streamed = run_and_remove_node_midway(rt, extra)
+        expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
+        assert [o.token_ids for o in outs] == expected
+        assert streamed == hf_greedy(t, [prompts()[0]], 40)[0]
+        m = rt.metrics()
+        assert m["num_target_worker_failures"] >= 1 and m["num_preemptions"] >= 1
+        assert len(m["target_workers_down"]) == 1
+    finally:
+        rt.shutdown()
+
+
 def test_losing_a_draft_node_mid_run_changes_no_output(cluster, llama_pair):
     """Runs last in this module: it removes a node of the shared cluster. The lost draft
     worker cannot come back (no other node offers specray_draft), so its sequences finish
     on the target alone and metrics() says the worker is down."""
-    import threading
-
     t, d = llama_pair
     rt = SpecRuntime(config(t, d, num_draft_workers=2, max_worker_restarts=1))
     try:
         nodes = {n.node_id: n for n in CLUSTER_REF["cluster"].worker_nodes}
-        victim_node = nodes[placement("DraftWorker")[0]]
-        outs: list = []
-        worker = threading.Thread(target=lambda: outs.extend(
-            rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))))
-        streamed = []
-        for delta in rt.stream(prompts()[0], SamplingParams(max_tokens=40, temperature=0.0)):
-            if not streamed and delta.token_ids:
-                worker.start()
-                CLUSTER_REF["cluster"].remove_node(victim_node)
-            streamed += delta.token_ids
-        worker.join(timeout=300)
+        outs, streamed = run_and_remove_node_midway(rt, nodes[placement("DraftWorker")[0]])
         expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
         assert [o.token_ids for o in outs] == expected
         assert streamed == hf_greedy(t, [prompts()[0]], 40)[0]
