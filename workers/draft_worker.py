@@ -21,8 +21,10 @@ class DraftWorker(ModelWorker):
         """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
         the draft probabilities ``[n, k, V]`` its proposals were drawn from."""
         r = self.runner
-        r.check_tokens(plan)
-        r.kv.apply(plan)
+        r.check_plan(plan)
+        # Passes 1..k_i-1 each write one slot past the fed tokens; the last proposal is
+        # never run through the draft.
+        r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
         n, k = plan.num_seqs, plan.k
         if n == 0:
             return Proposals(step_id=plan.step_id, k=k), None

@@ -34,28 +34,73 @@ class StaleCacheError(RuntimeError):
     """The driver counts cached tokens this worker does not hold (it restarted empty)."""
 
 
+class PlanError(ValueError):
+    """A step plan that contradicts this worker's state or limits; refused before any of
+    the worker's state changed."""
+
+
 class KVCache:
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         layers, kvh, head_dim = kv_shape(config)
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size)
+        # Tokens whose K/V each sequence may hold (fed plus lookahead written by its last
+        # step). Slot counts alone are rounded up to blocks and include reserved slots never
+        # written, so they cannot tell a driver bug from a real cache hit.
+        self.written: dict[int, int] = {}
         slots = num_blocks * block_size
         self.layers = [(torch.zeros(slots, kvh, head_dim, dtype=dtype, device=device),
                         torch.zeros(slots, kvh, head_dim, dtype=dtype, device=device)) for _ in range(layers)]
 
-    def apply(self, plan: StepPlan) -> None:
+    def apply(self, plan: StepPlan, lookahead: list[int] | None = None) -> None:
         """Frees first, then each sequence's pool is resized to the slots the driver
-        reserved (truncation drops rejected lookahead, growth makes room for this step)."""
+        reserved (truncation drops rejected lookahead, growth makes room for this step).
+        ``lookahead[i]``: slots the step writes past the fed tokens (draft passes,
+        proposals). The whole plan is checked first: a refused plan changes nothing."""
+        self._check(plan, lookahead)
+        bm = self.blocks
         for sid in plan.free_seq_ids:
-            self.blocks.free(sid)
-        for sid, computed, slots in zip(plan.seq_ids, plan.num_computed, plan.num_slots):
-            if computed > self.blocks.num_slots(sid):
+            bm.free(sid)
+            self.written.pop(sid, None)
+        # Every shrink before any growth: the check counted the pool as a whole, so the
+        # order of sequences in the plan cannot make an allocation fail half-way.
+        for sid, slots in zip(plan.seq_ids, plan.num_slots):
+            bm.truncate(sid, slots)
+        for i, (sid, slots) in enumerate(zip(plan.seq_ids, plan.num_slots)):
+            if not bm.allocate(sid, slots):
+                raise AssertionError(f"sequence {sid}: allocation failed after the pool check")
+            self.written[sid] = plan.num_computed[i] + plan.num_new[i] + (lookahead[i] if lookahead else 0)
+
+    def _check(self, plan: StepPlan, lookahead: list[int] | None) -> None:
+        bm = self.blocks
+        freed = set(plan.free_seq_ids)
+        released = sum(len(bm.block_table(s)) for s in freed)
+        growth = 0
+        for i, (sid, computed, new, slots) in enumerate(zip(plan.seq_ids, plan.num_computed, plan.num_new,
+                                                            plan.num_slots)):
+            held = 0 if sid in freed else len(bm.block_table(sid))
+            if computed > held * self.block_size:
+                if sid in freed:
+                    raise PlanError(f"StepPlan.num_computed[{i}]: sequence {sid} is freed by this plan "
+                                    f"and cannot have {computed} cached tokens")
                 raise StaleCacheError(f"sequence {sid}: the driver counts {computed} cached tokens, "
-                                   f"this worker holds {self.blocks.num_slots(sid)} slots (restarted?)")
-            self.blocks.truncate(sid, slots)
-            if not self.blocks.allocate(sid, slots):
-                raise RuntimeError(f"KV pool out of blocks for sequence {sid} ({slots} slots): "
-                                   "the driver's mirror disagrees with this worker")
+                                      f"this worker holds {held * self.block_size} slots (restarted?)")
+            if computed > self.written.get(sid, 0):
+                raise PlanError(f"StepPlan.num_computed[{i}]: sequence {sid} has {self.written.get(sid, 0)} "
+                                f"tokens written, the plan counts {computed} cached")
+            if new < 1:
+                # Each sequence's next-token logits come from its last fed token.
+                raise PlanError(f"StepPlan.num_new[{i}]: sequence {sid} feeds no token")
+            need = computed + new + (lookahead[i] if lookahead else 0)
+            if slots < need:
+                # Positions past the block table would land in another sequence's blocks.
+                raise PlanError(f"StepPlan.num_slots[{i}]: sequence {sid} reserves {slots} slots, "
+                                f"its step writes {need}")
+            growth += bm.blocks_needed(slots) - held
+        if growth > bm.num_free_blocks + released:
+            raise RuntimeError(f"KV pool out of blocks: the plan needs {growth} more blocks, "
+                               f"{bm.num_free_blocks + released} are free: the driver's mirror disagrees "
+                               "with this worker")
 
     def tables(self, seq_ids: list[int]) -> list[list[int]]:
         return [self.blocks.block_table(s) for s in seq_ids]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.messages import StepPlan
 from workers import model_loader
-from workers.kv_cache import KVCache, default_num_blocks
+from workers.kv_cache import KVCache, PlanError, default_num_blocks
 from workers.paged_attention import build_metadata
 
 
@@ -31,14 +33,39 @@ class ModelRunner:
         num_blocks = cfg.num_kv_blocks or default_num_blocks(
             self.config, cfg.block_size, self.dtype, self.device, cfg.max_model_len, cfg.max_num_seqs)
         self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
+        # The driver never plans past the smaller of its max_model_len and the model's own
+        # (the draft's scheduler window included), so neither may a plan.
+        self.max_model_len = min(cfg.max_model_len, model_loader.max_model_len(self.config))
 
     @property
     def num_blocks(self) -> int:
         return self.kv.blocks.num_blocks
 
+    def check_plan(self, plan: StepPlan) -> None:
+        """What this worker's limits allow, before its state is touched. ``decode`` has
+        checked the plan already; in-process callers have not, so it is checked again
+        (O(batch))."""
+        plan.validate()
+        n = plan.num_seqs
+        if n > self.cfg.max_num_seqs:
+            raise PlanError(f"StepPlan.seq_ids: {n} sequences, max_num_seqs is {self.cfg.max_num_seqs}")
+        # k sizes [n, k, V] buffers whatever the proposal lengths: bound it before allocating.
+        if plan.k > self.max_model_len:
+            raise PlanError(f"StepPlan.k = {plan.k} exceeds max_model_len {self.max_model_len}")
+        if n and max(plan.num_slots) > self.max_model_len:
+            i = max(range(n), key=plan.num_slots.__getitem__)
+            raise PlanError(f"StepPlan.num_slots[{i}]: sequence {plan.seq_ids[i]} reserves {plan.num_slots[i]} "
+                            f"slots, max_model_len is {self.max_model_len}")
+        self.check_tokens(plan)
+
     def check_tokens(self, plan: StepPlan) -> None:
-        if any(not 0 <= t < self.vocab_size for t in plan.token_ids):
-            raise ValueError(f"token id outside the vocabulary [0, {self.vocab_size})")
+        ids = plan.token_ids
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            j = next(j for j, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            i = bisect.bisect_right(list(itertools.accumulate(plan.num_new)), j)
+            sid = plan.seq_ids[i] if i < plan.num_seqs else None
+            raise PlanError(f"StepPlan.token_ids[{j}] (sequence {sid}): token id {ids[j]} is outside the "
+                            f"vocabulary [0, {self.vocab_size})")
 
     @torch.inference_mode()
     def forward(self, seq_ids: list[int], num_computed: list[int], num_new: list[int],

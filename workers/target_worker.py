@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from scheduler.messages import StepPlan, StepResult
+from workers.kv_cache import PlanError
 from workers.model_runner import ModelWorker
 from workers.rejection_sampler import greedy_verify, random_verify
 from workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
@@ -17,13 +18,14 @@ class TargetWorker(ModelWorker):
         """``draft_probs``: the proposing shards' ``[m, k, V]`` tensors in shard order
         (``plan.draft_rows`` indexes their concatenation)."""
         r = self.runner
-        r.check_tokens(plan)
-        r.kv.apply(plan)
+        r.check_plan(plan)
         n, k = plan.num_seqs, plan.k
+        plens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
+        self._check_proposals(plan, plens, draft_probs)
+        r.kv.apply(plan, plens)          # proposals are fed: their K/V is written too
         if n == 0:
             return StepResult(step_id=plan.step_id)
         dev = r.device
-        plens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
         props = plan.proposal_token_ids or [-1] * (n * k)
 
         # Packed input: each sequence's new tokens, then its proposals.
@@ -77,6 +79,33 @@ class TargetWorker(ModelWorker):
         flat = out.tolist()
         token_ids = [t for i, row in enumerate(flat) for t in row[:counts[i]]]
         return StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=counts, token_ids=token_ids)
+
+    def _check_proposals(self, plan: StepPlan, plens: list[int], shards) -> None:
+        """Proposals are fed to the model and index one-hot rows, draft rows index the
+        shards: all must be in range (O(n * k) in C, no per-token Python)."""
+        vocab, k = self.runner.vocab_size, plan.k
+        props = plan.proposal_token_ids
+        if props and (min(props) < -1 or max(props) >= vocab):
+            j = next(j for j, t in enumerate(props) if not -1 <= t < vocab)
+            raise PlanError(f"StepPlan.proposal_token_ids[{j}] (sequence {plan.seq_ids[j // k]}): "
+                            f"{props[j]} is outside the vocabulary [0, {vocab})")
+        for i, m in enumerate(plens):
+            if m and min(props[i * k:i * k + m]) < 0:
+                raise PlanError(f"StepPlan.proposal_token_ids: sequence {plan.seq_ids[i]} pads inside "
+                                f"its {m} proposals")
+        rows = 0
+        for j, s in enumerate(shards):
+            if s is None:
+                continue
+            if not (isinstance(s, torch.Tensor) and s.is_floating_point() and s.dim() == 3
+                    and s.shape[1:] == (k, vocab)):
+                what = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+                raise PlanError(f"draft_probs[{j}] must be a float tensor [m, {k}, {vocab}], got {what}")
+            rows += s.shape[0]
+        if plan.draft_rows and max(plan.draft_rows) >= rows:
+            i = max(range(plan.num_seqs), key=plan.draft_rows.__getitem__)
+            raise PlanError(f"StepPlan.draft_rows[{i}]: sequence {plan.seq_ids[i]} points at row "
+                            f"{plan.draft_rows[i]}, the draft shards hold {rows}")
 
     @staticmethod
     def _draft_probs(shards, rows: list[int], dev):
