@@ -57,6 +57,8 @@ class DriverCore:
         target_len = model_loader.max_model_len(tcfg)
         self.max_model_len = min(config.max_model_len or target_len, target_len)
         self.eos_ids = model_loader.eos_token_ids(tcfg)
+        if config.k >= self.max_model_len:
+            raise ValueError(f"num_speculative_tokens {config.k} must be below max_model_len {self.max_model_len}")
         draft_len = None
         if config.proposer == "draft":
             dcfg = model_loader.load_config(config.draft)

@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
-    temperature 0 means greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    temperature 0 means greedy, and so does any temperature below ``GREEDY_BELOW`` (as in
+    vLLM): dividing logits by it would overflow float32 and sample garbage or NaN.
+    ``top_k == 0`` and ``top_p == 1`` switch those filters off.
     ``seed`` makes a sampled request reproducible whatever batch it shares; requests without
     one get a seed drawn from the runtime's own generator.
     """
@@ -29,6 +34,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature)
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -99,3 +99,11 @@ def test_from_dict_round_trips_and_rejects_unknown_keys():
     with pytest.raises(ValueError) as info:
         SamplingParams.from_dict({"max_tokens": 5, "beam_width": 2, "n": 3})
     assert "beam_width" in str(info.value) and "'n'" in str(info.value)
+
+
+@pytest.mark.parametrize("t", [1e-300, 1e-40, 9.9e-6])
+def test_temperatures_too_small_for_float32_mean_greedy(t):
+    # logits / 1e-40 overflows float32 (NaN probabilities); vLLM treats these as greedy too.
+    p = SamplingParams(temperature=t)
+    assert p.greedy and p.temperature == 0.0
+    assert not SamplingParams(temperature=1e-5).greedy
