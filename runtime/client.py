@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence as Seq
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore, Overloaded, SubmitReply
@@ -27,14 +28,19 @@ class SpecRuntime:
         if not isinstance(config, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
         self._owns_ray = ray_env.acquire(config.ray_address, config.namespace)
-        opts = {"num_cpus": 0}
+        # The driver lives on this process's node: on an autoscaling cluster that is the
+        # node that stays (head or job node), not a worker node that may be taken away with
+        # every request's state. It needs no resources, so any node can host it; not soft,
+        # because Ray's soft affinity moved it to other nodes in tests.
+        here = ray.get_runtime_context().get_node_id()
+        opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
         backend = "ray"
         if config.colocate:
             # One process hosts driver, draft and target: it asks for the target's resources.
             from runtime.worker_actors import actor_options
 
             gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-            opts = actor_options(config.target_resources, gpu)
+            opts = actor_options(config.target_resources, gpu)   # wherever those are
             backend = "local"
         if config.name:
             opts.update(name=config.name, namespace=config.namespace)

@@ -90,7 +90,7 @@ def chi2_pvalue(counts: Counter, probs: dict) -> float:
 def test_first_two_tokens_follow_the_target(tiny_vocab_pair, temperature, top_k):
     target, draft = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
-                        dtype="float32", max_num_seqs=1024, seed=11)
+                        dtype="float32", max_num_seqs=1024, max_pending=N, seed=11)
     drv = DriverCore(cfg, backend="local")
     try:
         reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=2, temperature=temperature, top_k=top_k)] * N)

@@ -115,6 +115,8 @@ def test_losing_a_target_node_mid_run_changes_no_output(cluster, llama_pair):
                             placement_strategy="STRICT_SPREAD"))
     try:
         assert sorted(placement("TargetWorker")) == sorted(cluster["target"] + [extra.node_id])
+        # The driver stays on this process's node, never on a worker node that can go away.
+        assert placement("Driver") == [ray.get_runtime_context().get_node_id()]
         outs, streamed = run_and_remove_node_midway(rt, extra)
         expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
         assert [o.token_ids for o in outs] == expected
