@@ -191,7 +191,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
             max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate))
     # One configuration = (system, proposer, batch size, mode, policy).
     plan: list[tuple[str, str, int, str, str]] = []
-    for b in s.batch_sizes:
+    # Batch 1 always runs: the analytic bound and the assisted-generation comparison are
+    # batch-1 measurements.
+    for b in sorted(set(s.batch_sizes) | {1}):
         for proposer, policy in spec_configs:
             plan.append(("specray", proposer, b, "greedy", policy))
         plan.append(("hf", "none", b, "greedy", "static"))

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target", default=None)
     b.add_argument("--draft", default=None)
     b.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    b.add_argument("--batch-sizes", default="1,8,32")
+    b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--temperature", type=float, default=0.8, help="for the sampled runs")
