@@ -42,7 +42,8 @@ def test_generate_rejects_bad_flags_with_the_field_name():
 
 def test_bench_quick_json_has_every_field(tmp_path):
     out = tmp_path / "bench"
-    p = run_cli(["bench", "--quick", "--batch-sizes", "1,8,32", "--out", str(out)], timeout=600)
+    # Batch 1 is not asked for: it runs anyway, the analytic bound needs it.
+    p = run_cli(["bench", "--quick", "--batch-sizes", "4", "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in ("k", "alpha", "c", "analytic_bound", "efficiency", "greedy_outputs_equal", "runs"):
@@ -50,7 +51,7 @@ def test_bench_quick_json_has_every_field(tmp_path):
     assert result["greedy_outputs_equal"] is True
     assert (out / "bench.png").stat().st_size > 1000
     seen = {(r["system"], r["proposer"], r["batch_size"]) for r in result["runs"]}
-    for b in (1, 8, 32):
+    for b in (1, 4):
         for proposer in ("draft", "ngram", "none"):
             assert ("specray", proposer, b) in seen
         assert ("hf", "none", b) in seen
