@@ -21,6 +21,11 @@ whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back; each failed probe doubles the wait
 (up to ``max_probe_interval``), a success resets it. Probes of all quiet sequences
 happen in the same steps: a draft call serves them together instead of one every step.
+
+The cost model can be wrong (a machine's step time is not linear in anything, and other
+load moves it), so the last word on the whole batch is measured: ``GoodputSwitch`` keeps
+the emitted tokens per second of recent decode steps with and without speculation, per
+batch-size bucket, runs whichever mode is ahead and tries the other one now and then.
 """
 
 from __future__ import annotations
@@ -154,6 +159,69 @@ class StepCostModel:
 
 
 @dataclass
+class GoodputSwitch:
+    """Speculation on or off for the whole batch, by measured goodput. Per bucket of batch
+    sizes (1, 2-3, 4-7, ...) it keeps discounted sums of emitted tokens and seconds of
+    recent decode steps for each mode, and the mode ahead runs. Now and then one step runs
+    the other mode, so its figure stays current (the machine's load, the draft's acceptance
+    and the batch's lengths all drift): after ``explore_every`` steps, and each time the
+    trial confirms the leader the wait doubles, up to ``max_explore_every``: a trial can
+    cost several plain steps (the draft catches up on what it skipped), so a settled
+    choice is rarely questioned. A trial's sample weighs more (``trial_decay``): one fresh
+    step says more about the other mode than its old figure does."""
+
+    explore_every: int = 16
+    max_explore_every: int = 256
+    decay: float = 0.9               # about the last ten steps of the running mode count
+    trial_decay: float = 0.25
+    min_samples: int = 3
+    _sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)   # [tokens, seconds, steps]
+    _steps: dict[int, int] = field(default_factory=dict)
+    _next_trial: dict[int, int] = field(default_factory=dict)
+    _wait: dict[int, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return num_seqs.bit_length()
+
+    def goodput(self, num_seqs: int, speculate: bool) -> float | None:
+        s = self._sums.get((self.bucket(num_seqs), speculate))
+        return s[0] / s[1] if s and s[2] >= self.min_samples and s[1] > 0 else None
+
+    def leader(self, num_seqs: int) -> bool | None:
+        """The mode ahead at this batch size (True: speculation); None until both are known."""
+        on, off = self.goodput(num_seqs, True), self.goodput(num_seqs, False)
+        return None if on is None or off is None else on >= off
+
+    def speculate(self, num_seqs: int) -> bool:
+        b = self.bucket(num_seqs)
+        self._steps[b] = self._steps.get(b, 0) + 1
+        if self.goodput(num_seqs, True) is None:
+            return True                 # the per-sequence policy decides until both are known
+        ahead = self.leader(num_seqs)
+        if ahead is None:
+            return False
+        if self._steps[b] >= self._next_trial.setdefault(b, self._steps[b] + self.explore_every):
+            return not ahead
+        return ahead
+
+    def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
+        b = self.bucket(num_seqs)
+        before = self.leader(num_seqs)
+        trial = before is not None and speculated != before
+        s = self._sums.setdefault((b, speculated), [0.0, 0.0, 0])
+        d = self.trial_decay if trial else self.decay
+        s[0] = s[0] * d + tokens
+        s[1] = s[1] * d + seconds
+        s[2] += 1
+        if trial:
+            wait = self._wait.get(b, self.explore_every)
+            wait = min(2 * wait, self.max_explore_every) if self.leader(num_seqs) == before else self.explore_every
+            self._wait[b] = wait
+            self._next_trial[b] = self._steps.get(b, 0) + wait
+
+
+@dataclass
 class SpeculationPolicy:
     kind: str = "static"
     k_max: int = 4
@@ -164,6 +232,7 @@ class SpeculationPolicy:
     probe_interval: int = 16
     max_probe_interval: int = 256
     cost: StepCostModel = field(default_factory=StepCostModel)
+    switch: GoodputSwitch = field(default_factory=GoodputSwitch)
     # Every sequence's observations together: a new sequence starts from what the draft
     # has been doing lately rather than from a fixed guess.
     overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -186,6 +255,8 @@ class SpeculationPolicy:
             return [0] * n
         if self.kind == "static":
             return list(caps)
+        if not self.switch.speculate(n):
+            return [0] * n
         prior = self.overall.rate(self.prior_acceptance)
         rates = [e.rate(prior) for e in estimates]
         chosen = self._best_prefix(caps, rates, fed_tokens)
@@ -197,6 +268,13 @@ class SpeculationPolicy:
                 if chosen[i] == 0 and caps[i] > 0 and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval):
                     chosen[i] = 1
         return chosen
+
+    def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
+        """A whole step's outcome, for the on/off switch. Only decode steps count: a step
+        that also prefills (more than about one fed token per sequence) says nothing about
+        speculation and would make whichever mode it ran in look slow."""
+        if self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0:
+            self.switch.observe(num_seqs, proposed > 0, emitted, seconds)
 
     def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one."""

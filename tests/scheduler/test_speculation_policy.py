@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.speculation_policy import AcceptanceEstimate, LinearFit, SpeculationPolicy, StepCostModel
+from scheduler.speculation_policy import AcceptanceEstimate, LinearFit, SpeculationPolicy, StepCostModel, GoodputSwitch
 
 
 def est(accepted: float, rejected: float) -> AcceptanceEstimate:
@@ -126,3 +126,77 @@ def test_failed_probes_back_off_and_a_success_resets():
         p.observe(e, proposed=0, accepted=0)
     p.observe(e, proposed=1, accepted=1)          # the draft is good again
     assert e.quiet_limit == 4
+
+
+# -- the measured on/off switch -------------------------------------------------------------------
+
+def drive_switch(sw: GoodputSwitch, n: int, steps: int, on_tps: float, off_tps: float) -> list[bool]:
+    """Run ``steps`` decisions at batch ``n`` on a machine where a step emits ``n`` tokens
+    at ``on_tps`` tokens/s with speculation and ``off_tps`` without."""
+    made = []
+    for _ in range(steps):
+        on = sw.speculate(n)
+        made.append(on)
+        sw.observe(n, on, n, n / (on_tps if on else off_tps))
+    return made
+
+
+def test_switch_runs_the_mode_ahead_and_tries_the_other_ever_less_often():
+    sw = GoodputSwitch(explore_every=16, max_explore_every=64)
+    made = drive_switch(sw, 8, 400, on_tps=100.0, off_tps=50.0)
+    assert made[:3] == [True] * 3 and made[3:6] == [False] * 3          # both modes measured first
+    trials = [i for i, on in enumerate(made) if not on and i >= 6]
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert gaps[:3] == [32, 64, 64]                                      # each confirmation doubles the wait
+    assert sw.goodput(8, True) == pytest.approx(100.0) and sw.goodput(8, False) == pytest.approx(50.0)
+
+
+def test_switch_drops_a_leader_that_slows_down_at_once():
+    sw = GoodputSwitch(explore_every=16)
+    drive_switch(sw, 32, 100, on_tps=900.0, off_tps=700.0)
+    made = drive_switch(sw, 32, 200, on_tps=500.0, off_tps=700.0)  # e.g. the draft got worse
+    # The running mode's own figure shows it: no trial needed.
+    assert made.index(False) < 10
+    assert 1 <= made[5:].count(True) <= 4
+
+
+def test_switch_finds_a_loser_that_got_better_at_its_next_trial():
+    sw = GoodputSwitch(explore_every=16, max_explore_every=64)
+    drive_switch(sw, 4, 300, on_tps=300.0, off_tps=400.0)           # off leads, trials settle at 64
+    made = drive_switch(sw, 4, 200, on_tps=600.0, off_tps=400.0)    # speculation pays now
+    first_on = made.index(True)
+    assert first_on <= 64 and all(made[first_on + 1:first_on + 16])
+
+
+def test_switch_keeps_batch_sizes_apart():
+    sw = GoodputSwitch(explore_every=16)
+    for _ in range(100):
+        for n, on_tps, off_tps in ((1, 150.0, 100.0), (32, 700.0, 850.0)):
+            on = sw.speculate(n)
+            sw.observe(n, on, n, n / (on_tps if on else off_tps))
+    assert sw.speculate(1) or sw.speculate(1)                     # one of two may explore
+    assert not (sw.speculate(32) and sw.speculate(32))
+    assert sw.bucket(1) != sw.bucket(32) and sw.bucket(17) == sw.bucket(31)
+
+
+def test_policy_turns_speculation_off_where_the_switch_measured_it_slower():
+    pol = SpeculationPolicy("adaptive", k_max=4)
+    for _ in range(40):                     # measured: at batch 32 plain decoding wins
+        ks = pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(32)], 32)
+        pol.observe_step(32, 32, sum(ks), 32 * (1 + 0.1 * sum(ks) / 32), 1.0 if sum(ks) else 0.5)
+    decisions = [sum(pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1)] * 32, 32)) > 0
+                 for _ in range(32)]
+    assert decisions.count(True) <= 2
+    # Batch 1 has its own figures: nothing measured there yet, so the cost model decides.
+    assert sum(pol.choose([4], [AcceptanceEstimate(accepted=9, rejected=1)], 1)) > 0
+
+
+def test_prefill_steps_and_static_policies_do_not_feed_the_switch():
+    pol = SpeculationPolicy("adaptive", k_max=4)
+    pol.observe_step(4, 400, 8, 12, 0.5)        # a prompt's prefill rode along: not a decode step
+    assert pol.switch._sums == {}
+    pol.observe_step(4, 4, 8, 12, 0.5)
+    assert pol.switch._sums
+    static = SpeculationPolicy("static", k_max=4)
+    static.observe_step(4, 4, 8, 12, 0.5)
+    assert static.switch._sums == {}
