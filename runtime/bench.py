@@ -228,7 +228,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
                     run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
                     run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
-                    if b == 1 and mode == "greedy" and policy == "static":
+                    if b == 1 and mode == "greedy" and (proposer == "none" or policy == s.policies[0]):
                         steps = after["num_steps"] - before["num_steps"]
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
