@@ -373,8 +373,9 @@ class Scheduler:
                 emitted_total += n_emit
                 out.append((seq, self._append(seq, emitted)))
         self.stats.record_step(len(out), emitted_total, drafted, accepted, seconds)
-        fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
-        self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds)
+        if self.policy.kind == "adaptive":
+            fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
+            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds)
         self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
         for seq, _ in out:
             if seq.finished:
