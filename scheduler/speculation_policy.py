@@ -164,16 +164,16 @@ class GoodputSwitch:
     sizes (1, 2-3, 4-7, ...) it keeps discounted sums of emitted tokens and seconds of
     recent decode steps for each mode, and the mode ahead runs. Now and then one step runs
     the other mode, so its figure stays current (the machine's load, the draft's acceptance
-    and the batch's lengths all drift): after ``explore_every`` steps, and each time the
-    trial confirms the leader the wait doubles, up to ``max_explore_every``: a trial can
-    cost several plain steps (the draft catches up on what it skipped), so a settled
-    choice is rarely questioned. A trial's sample weighs more (``trial_decay``): one fresh
-    step says more about the other mode than its old figure does."""
+    and the batch's lengths all drift): after ``explore_every`` steps; each trial whose
+    step did worse than the leader's figure doubles the wait, up to ``max_explore_every``
+    (a trial can cost several plain steps: the draft catches up on what it skipped), and
+    one that did better brings the next trial back soon. A trial step weighs like any
+    other: at small batch one step's tokens swing from 1 to k+1, and a single unlucky
+    step must not flip the mode."""
 
     explore_every: int = 16
     max_explore_every: int = 256
     decay: float = 0.9               # about the last ten steps of the running mode count
-    trial_decay: float = 0.25
     min_samples: int = 3
     _sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)   # [tokens, seconds, steps]
     _steps: dict[int, int] = field(default_factory=dict)
@@ -188,19 +188,39 @@ class GoodputSwitch:
         s = self._sums.get((self.bucket(num_seqs), speculate))
         return s[0] / s[1] if s and s[2] >= self.min_samples and s[1] > 0 else None
 
+    def _own_leader(self, b: int) -> bool | None:
+        on, off = self._sums.get((b, True)), self._sums.get((b, False))
+        if not (on and off and min(on[2], off[2]) >= self.min_samples and on[1] > 0 and off[1] > 0):
+            return None
+        return on[0] / on[1] >= off[0] / off[1]
+
+    def _rate_near(self, b: int, speculate: bool) -> float | None:
+        for near in (b, b - 1, b + 1):
+            s = self._sums.get((near, speculate))
+            if s and s[2] >= self.min_samples and s[1] > 0:
+                return s[0] / s[1]
+        return None
+
     def leader(self, num_seqs: int) -> bool | None:
-        """The mode ahead at this batch size (True: speculation); None until both are known."""
-        on, off = self.goodput(num_seqs, True), self.goodput(num_seqs, False)
-        return None if on is None or off is None else on >= off
+        """The mode ahead at this batch size (True: speculation), else at a neighbouring
+        bucket's (half or twice the batch): a batch that drains or grows through buckets
+        starts from what its neighbour learned instead of measuring both modes again.
+        None while nothing close is known."""
+        b = self.bucket(num_seqs)
+        for near in (b, b - 1, b + 1):
+            ahead = self._own_leader(near)
+            if ahead is not None:
+                return ahead
+        return None
 
     def speculate(self, num_seqs: int) -> bool:
         b = self.bucket(num_seqs)
         self._steps[b] = self._steps.get(b, 0) + 1
-        if self.goodput(num_seqs, True) is None:
-            return True                 # the per-sequence policy decides until both are known
         ahead = self.leader(num_seqs)
         if ahead is None:
-            return False
+            # Nothing known close by: measure speculation (the per-sequence policy decides
+            # k_i), then plain decoding.
+            return self.goodput(num_seqs, True) is None
         if self._steps[b] >= self._next_trial.setdefault(b, self._steps[b] + self.explore_every):
             return not ahead
         return ahead
@@ -209,16 +229,17 @@ class GoodputSwitch:
         b = self.bucket(num_seqs)
         before = self.leader(num_seqs)
         trial = before is not None and speculated != before
-        s = self._sums.setdefault((b, speculated), [0.0, 0.0, 0])
-        d = self.trial_decay if trial else self.decay
-        s[0] = s[0] * d + tokens
-        s[1] = s[1] * d + seconds
-        s[2] += 1
         if trial:
+            lead = self._rate_near(b, before)
             wait = self._wait.get(b, self.explore_every)
-            wait = min(2 * wait, self.max_explore_every) if self.leader(num_seqs) == before else self.explore_every
+            promising = lead is None or tokens / seconds > lead
+            wait = self.explore_every if promising else min(2 * wait, self.max_explore_every)
             self._wait[b] = wait
             self._next_trial[b] = self._steps.get(b, 0) + wait
+        s = self._sums.setdefault((b, speculated), [0.0, 0.0, 0])
+        s[0] = s[0] * self.decay + tokens
+        s[1] = s[1] * self.decay + seconds
+        s[2] += 1
 
 
 @dataclass
