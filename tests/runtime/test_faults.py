@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 from ray._private.state import actors
 
@@ -23,6 +24,18 @@ def alive_pids(cls: str) -> list[int]:
 
 PROMPTS = [torch.randint(0, 97, (4 + i,), generator=torch.Generator().manual_seed(200 + i)).tolist()
            for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_pair):
+    """The undisturbed reference: transformers' greedy output for every prompt."""
+    return hf_greedy(llama_pair[0], PROMPTS, 160)
+
+
+def start_runtime(llama_pair, **kw) -> SpecRuntime:
+    t, d = llama_pair
+    return SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                     dtype="float32", **kw))
 
 
 def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
@@ -49,12 +62,8 @@ def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
     return [streamed] + [o.token_ids for o in batch]
 
 
-def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
-    t, d = llama_pair
-    prompts = PROMPTS
-    expected = hf_greedy(t, prompts, 160)
-    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32", max_worker_restarts=2))
+def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected):
+    rt = start_runtime(llama_pair, max_worker_restarts=2)
     try:
         (victim,) = alive_pids("DraftWorker")
         assert kill_mid_generation(rt, victim) == expected
@@ -70,7 +79,7 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
             time.sleep(0.2)
         assert rt.metrics()["draft_workers_down"] == []
         before = rt.metrics()["num_draft_tokens"]
-        again = rt.generate(prompts[:2], SamplingParams(max_tokens=40, temperature=0.0))
+        again = rt.generate(PROMPTS[:2], SamplingParams(max_tokens=40, temperature=0.0))
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         after = rt.metrics()
         assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
@@ -78,11 +87,8 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair):
         rt.shutdown()
 
 
-def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair):
-    t, d = llama_pair
-    expected = hf_greedy(t, PROMPTS, 160)
-    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32", max_worker_restarts=2))
+def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair, expected):
+    rt = start_runtime(llama_pair, max_worker_restarts=2)
     try:
         (victim,) = alive_pids("TargetWorker")
         assert kill_mid_generation(rt, victim) == expected
@@ -99,11 +105,8 @@ def actor_states(cls: str) -> list[str]:
     return [a["State"] for a in actors().values() if a["ActorClassName"] == cls]
 
 
-def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair):
-    t, d = llama_pair
-    expected = hf_greedy(t, PROMPTS, 160)
-    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32", max_worker_restarts=0))
+def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair, expected):
+    rt = start_runtime(llama_pair, max_worker_restarts=0)
     try:
         (victim,) = alive_pids("DraftWorker")
         assert kill_mid_generation(rt, victim) == expected
@@ -119,9 +122,7 @@ def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(
 
 
 def test_requests_fail_clearly_once_every_target_worker_is_dead_for_good(ray_session, llama_pair):
-    t, d = llama_pair
-    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32", max_worker_restarts=0, target_down_timeout_s=600))
+    rt = start_runtime(llama_pair, max_worker_restarts=0, target_down_timeout_s=600)
     try:
         (victim,) = alive_pids("TargetWorker")
         start = time.monotonic()

@@ -1426,11 +1426,12 @@ def test_abort_all_frees_go_to_each_ranks_queue():
         [sorted(owed_d[d] | {sid for sid, _, dr in running if dr == d}) for d in range(3)]
 
 
-@pytest.mark.parametrize("scenario", range(30))
-def test_random_scenarios_with_several_workers(scenario):
-    rng = random.Random(5000 + scenario)
+def random_engine(rng: random.Random, ks: list[int]):
+    """A fake engine over 1-3 target and draft ranks with random limits, pool sizes (from
+    one sequence's worth to plenty), draft errors, shard counts and probabilities.
+    Returns (engine, k, target_max_len)."""
     T, D = rng.randrange(1, 4), rng.randrange(1, 4)
-    k = rng.choice([0, 1, 2, 3, 4])
+    k = rng.choice(ks)
     block_size = rng.choice([1, 2, 4, 8])
     tml = rng.randrange(8, 64)
     dml = rng.choice([None, None, rng.randrange(4, tml + 8)])
@@ -1444,6 +1445,13 @@ def test_random_scenarios_with_several_workers(scenario):
     eng.draft_wrong = lambda sid, pos: (sid * 5 + pos * 3) % 7 < wrong_mod - 1
     eng.num_shards = rng.randrange(1, 4)
     eng.probs = rng.random() < 0.5
+    return eng, k, tml
+
+
+@pytest.mark.parametrize("scenario", range(30))
+def test_random_scenarios_with_several_workers(scenario):
+    rng = random.Random(5000 + scenario)
+    eng, k, tml = random_engine(rng, [0, 1, 2, 3, 4])
     if rng.random() < 0.3:
         eng.shorten = lambda sid, pos, k_i: (3 * sid + pos) % (k_i + 1)
     stop_ids = rng.sample(range(V), rng.randrange(0, 4))
@@ -1484,22 +1492,9 @@ def test_random_scenarios_with_worker_deaths(scenario):
     any plan that still trusts its old KV fails the num_computed check, and greedy outputs must
     not change at all."""
     rng = random.Random(9000 + scenario)
-    T, D = rng.randrange(1, 4), rng.randrange(1, 4)
-    k = rng.choice([0, 1, 2, 3, 4, 4])
-    block_size = rng.choice([1, 2, 4, 8])
-    tml = rng.randrange(8, 64)
-    dml = rng.choice([None, None, rng.randrange(4, tml + 8)])
-    need = -(-(tml - 1) // block_size)                    # one sequence at full length
-    tblocks = [rng.choice([need, need + 1, need + rng.randrange(0, 2 * need), 10 * need]) for _ in range(T)]
-    dblocks = rng.choice([None, [rng.choice([1, rng.randrange(1, 2 * need + 2), 10 * need]) for _ in range(D)]])
-    eng = build(k=k, target_max_len=tml, draft_max_len=dml, block_size=block_size, target_ranks=T, draft_ranks=D,
-                target_blocks=tblocks, draft_blocks=dblocks, max_num_seqs=rng.randrange(1, 10),
-                max_num_batched_tokens=rng.randrange(1, 150))
+    eng, k, tml = random_engine(rng, [0, 1, 2, 3, 4, 4])
     sched = eng.sched
-    wrong_mod = rng.randrange(1, 6)
-    eng.draft_wrong = lambda sid, pos: (sid * 5 + pos * 3) % 7 < wrong_mod - 1
-    eng.num_shards = rng.randrange(1, 4)
-    eng.probs = rng.random() < 0.5
+    T = len(sched.target_pools)
     stop_ids = rng.sample(range(V), rng.randrange(0, 4))
     p_kill = rng.uniform(0.03, 0.12)
     deaths = {"draft": 0, "target": 0}
