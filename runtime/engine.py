@@ -121,16 +121,19 @@ class Engine:
             if any(p.seq_ids for p, _ in shards):
                 draft_s = time.perf_counter() - t_draft
         t1 = time.perf_counter()
+        merge_s = 0.0
         pending = []
         for r, plan in enumerate(step.target_plans):
             if plan is None:
                 continue
             probs = []
             if shards and plan.seq_ids:
+                t_merge = time.perf_counter()
                 mine = set(plan.seq_ids)
                 used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
                 self.scheduler.attach_proposals(step, r, merge_proposals(plan.seq_ids, plan.k, [p for p, _ in used]))
                 probs = [h for p, h in used if p.has_probs]
+                merge_s += time.perf_counter() - t_merge
             pending.append((r, self.verifiers[r].submit(plan, probs)))
         results: list[StepResult | None] = [None] * len(step.target_plans)
         for r, h in pending:
@@ -140,7 +143,12 @@ class Engine:
                 # Its sequences are requeued with every token they had; nothing is lost.
                 step.lost_targets.add(r)
                 self.scheduler.target_lost(r)
-        verify_s = time.perf_counter() - t1
-        self.scheduler.stats.record_phases(draft_s, verify_s)
+        verify_s = time.perf_counter() - t1 - merge_s
+        # Workers compute in parallel: the slowest one's own time is the phase's compute,
+        # the rest of the phase's wall time is messaging.
+        self.scheduler.stats.record_phases(
+            draft_s, verify_s, merge_s,
+            max((p.compute_s for p, _ in shards), default=0.0) if draft_s is not None else 0.0,
+            max((res.compute_s for res in results if res is not None), default=0.0))
         self.scheduler.observe_times(step, draft_s, verify_s)
         return self.scheduler.update(step, results, time.perf_counter() - t0)

@@ -17,6 +17,7 @@ GAUGES = {
     "mean_step_s": "mean wall time of a step",
     "mean_draft_s": "mean time of a draft call",
     "mean_verify_s": "mean time of a verify call",
+    "mean_overhead_s": "mean time of a step outside the workers' own compute (schedule, merge, messaging, driver)",
 }
 COUNTERS = {
     "num_draft_tokens": "draft tokens proposed",

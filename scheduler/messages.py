@@ -8,7 +8,8 @@ A step is data in, data out::
 Integer and float arrays travel as little-endian packed bytes (int32 for token ids and
 counts, int64 for ids and seeds, float64 for sampling knobs): packing a 64-sequence step
 that way costs microseconds, where Python lists cost a hundred. Tensors (draft
-probabilities) never go through here. Decoding is strict: the protocol version, the
+probabilities) never go through here. Replies carry the worker's own time on the call,
+so the driver can tell messaging from compute. Decoding is strict: the protocol version, the
 message type, every field's type and every cross-field length are checked, and anything
 else raises ``ProtocolError`` (a ``ValueError``).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -103,6 +104,7 @@ class Proposals:
     step_id: int = _scalar(int, 0)
     k: int = _scalar(int, 0)
     has_probs: bool = _scalar(bool, False)
+    compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
     seq_ids: list[int] = _packed("q")
     proposal_lens: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
@@ -114,6 +116,7 @@ class Proposals:
         _expect(len(self.token_ids) == n * self.k,
                 f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
         _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Proposals.proposal_lens outside [0, k]")
+        _expect(0.0 <= self.compute_s < float("inf"), "Proposals.compute_s must be finite and >= 0")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class StepResult:
     back in ``token_ids``."""
 
     step_id: int = _scalar(int, 0)
+    compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
     seq_ids: list[int] = _packed("q")
     num_emitted: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
@@ -130,6 +134,7 @@ class StepResult:
         _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")
         _expect(all(x >= 1 for x in self.num_emitted), "StepResult.num_emitted must be >= 1")
         _expect(sum(self.num_emitted) == len(self.token_ids), "StepResult.token_ids does not match num_emitted")
+        _expect(0.0 <= self.compute_s < float("inf"), "StepResult.compute_s must be finite and >= 0")
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (StepPlan, Proposals, StepResult)}
@@ -154,8 +159,10 @@ def encode(msg) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, name, values], use_bin_type=True)
 
 
-def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
-    """Decode and validate one message; only ``ProtocolError`` escapes."""
+def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSAGE_BYTES,
+           validate: bool = True):
+    """Decode and validate one message; only ``ProtocolError`` escapes. ``validate=False``
+    skips only the cross-field checks, for a receiver that runs them itself."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -200,7 +207,8 @@ def decode(data: bytes, expected: type | None = None, max_bytes: int = MAX_MESSA
             arr.byteswap()
         kwargs[f.name] = arr.tolist()
     msg = cls(**kwargs)
-    msg.validate()
+    if validate:
+        msg.validate()
     return msg
 
 

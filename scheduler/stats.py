@@ -19,6 +19,9 @@ class SpecStats:
     busy_s: float = 0.0              # wall time spent inside steps
     draft_s: float = 0.0             # inside the proposer call (all k passes, messaging included)
     verify_s: float = 0.0            # inside the target call (forward, sampler, messaging)
+    draft_compute_s: float = 0.0     # the draft workers' own time (the slowest of each call)
+    verify_compute_s: float = 0.0    # the target workers' own time
+    merge_s: float = 0.0             # merging proposals into the target plans
     num_draft_calls: int = 0
     schedule_s: float = 0.0
     num_spec_off_steps: int = 0      # steps in which no sequence proposed (k > 0 configured)
@@ -52,16 +55,23 @@ class SpecStats:
         if k and sum_k == 0:
             self.num_spec_off_steps += 1
 
-    def record_phases(self, draft_s: float | None, verify_s: float) -> None:
+    def record_phases(self, draft_s: float | None, verify_s: float, merge_s: float = 0.0,
+                      draft_compute_s: float = 0.0, verify_compute_s: float = 0.0) -> None:
         if draft_s is not None:
             self.draft_s += draft_s
+            self.draft_compute_s += min(draft_compute_s, draft_s)
             self.num_draft_calls += 1
         self.verify_s += verify_s
+        # A worker's clock may run past the driver's by a hair; messaging is never negative.
+        self.verify_compute_s += min(verify_compute_s, verify_s)
+        self.merge_s += merge_s
 
     def as_dict(self) -> dict:
         d = self.num_draft_tokens
         s = self.num_seq_steps
         steps = self.num_steps
+        messaging = (self.draft_s - self.draft_compute_s) + (self.verify_s - self.verify_compute_s)
+        overhead = max(self.busy_s - self.schedule_s - self.merge_s - self.draft_s - self.verify_s, 0.0)
         return {
             "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
             "mean_accepted_length": self.num_emitted_tokens / s if s else 0.0,
@@ -79,8 +89,13 @@ class SpecStats:
             "verify_s": self.verify_s,
             "num_draft_calls": self.num_draft_calls,
             "schedule_s": self.schedule_s,
-            # Merge, update and bookkeeping: what a step costs besides its worker calls.
-            "driver_overhead_s": max(self.busy_s - self.schedule_s - self.draft_s - self.verify_s, 0.0),
+            "merge_s": self.merge_s,
+            "draft_compute_s": self.draft_compute_s,
+            "verify_compute_s": self.verify_compute_s,
+            "messaging_s": messaging,
+            # Update and bookkeeping: what a step costs besides scheduling, merging and its
+            # worker calls.
+            "driver_overhead_s": overhead,
             "num_spec_off_steps": self.num_spec_off_steps,
             "num_draft_worker_failures": self.num_draft_worker_failures,
             "num_target_worker_failures": self.num_target_worker_failures,
@@ -89,5 +104,7 @@ class SpecStats:
             "mean_step_s": self.busy_s / steps if steps else 0.0,
             "mean_draft_s": self.draft_s / self.num_draft_calls if self.num_draft_calls else 0.0,
             "mean_verify_s": self.verify_s / steps if steps else 0.0,
+            # Everything of a step but the workers' own compute, per step.
+            "mean_overhead_s": (self.schedule_s + self.merge_s + messaging + overhead) / steps if steps else 0.0,
             "uptime_s": time.monotonic() - self.started_at,
         }

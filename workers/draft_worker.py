@@ -8,6 +8,8 @@ the host once, at the end.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from scheduler.messages import Proposals, StepPlan
@@ -20,6 +22,7 @@ class DraftWorker(ModelWorker):
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
         """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
         the draft probabilities ``[n, k, V]`` its proposals were drawn from."""
+        t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
         # Passes 1..k_i-1 each write one slot past the fed tokens; the last proposal is
@@ -27,7 +30,7 @@ class DraftWorker(ModelWorker):
         r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
         n, k = plan.num_seqs, plan.k
         if n == 0:
-            return Proposals(step_id=plan.step_id, k=k), None
+            return Proposals(step_id=plan.step_id, k=k, compute_s=time.perf_counter() - t0), None
         dev = r.device
         lens = plan.proposal_lens
         sampled_rows = [t > 0 for t in plan.temperature]
@@ -66,5 +69,6 @@ class DraftWorker(ModelWorker):
             proposals[idx, p] = tok
         # Rows planned with k_i = 0 still ran pass 0; their token is not a proposal.
         proposals[r.to_device([i for i in range(n) if lens[i] == 0])] = -1
-        return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, seq_ids=list(plan.seq_ids),
-                         proposal_lens=list(lens), token_ids=proposals.flatten().tolist()), probs
+        token_ids = proposals.flatten().tolist()
+        return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
+                         seq_ids=list(plan.seq_ids), proposal_lens=list(lens), token_ids=token_ids), probs

@@ -42,9 +42,8 @@ class ModelRunner:
         return self.kv.blocks.num_blocks
 
     def check_plan(self, plan: StepPlan) -> None:
-        """What this worker's limits allow, before its state is touched. ``decode`` has
-        checked the plan already; in-process callers have not, so it is checked again
-        (O(batch))."""
+        """The plan's own consistency and what this worker's limits allow, before its
+        state is touched; the one place every caller's plan is checked (O(batch))."""
         plan.validate()
         n = plan.num_seqs
         if n > self.cfg.max_num_seqs:

@@ -8,6 +8,8 @@ same for both. Proposals are deterministic (the sampler treats them as one-hot).
 
 from __future__ import annotations
 
+import time
+
 from scheduler.messages import Proposals, StepPlan
 
 
@@ -20,6 +22,7 @@ class NgramProposer:
         self.history: dict[int, list[int]] = {}
 
     def propose(self, plan: StepPlan) -> tuple[Proposals, None]:
+        t0 = time.perf_counter()
         for sid in plan.free_seq_ids:
             self.history.pop(sid, None)
         k = plan.k
@@ -38,8 +41,8 @@ class NgramProposer:
             hist.extend(found[:-1])
             lens.append(len(found))
             tokens.extend(found + [-1] * (k - len(found)))
-        return Proposals(step_id=plan.step_id, k=k, has_probs=False, seq_ids=list(plan.seq_ids),
-                         proposal_lens=lens, token_ids=tokens), None
+        return Proposals(step_id=plan.step_id, k=k, has_probs=False, compute_s=time.perf_counter() - t0,
+                         seq_ids=list(plan.seq_ids), proposal_lens=lens, token_ids=tokens), None
 
     def lookup(self, hist: list[int], k: int) -> list[int]:
         """Continuation of the most recent earlier occurrence of the longest suffix

@@ -38,6 +38,14 @@ def test_generate_through_ray_equals_hf(rt, llama_pair):
     assert m["num_draft_tokens"] > 0 and 0 < m["acceptance_rate"] <= 1
     assert 1 <= m["mean_accepted_length"] <= 4
     assert m["system_efficiency"] == pytest.approx(m["mean_accepted_length"] / 4)
+    # The step breakdown adds up, and actor hops show as messaging, not as compute.
+    parts = ("schedule_s", "merge_s", "draft_s", "verify_s", "driver_overhead_s")
+    assert sum(m[k] for k in parts) == pytest.approx(m["busy_s"], rel=1e-6)
+    assert 0 < m["draft_compute_s"] <= m["draft_s"] and 0 < m["verify_compute_s"] <= m["verify_s"]
+    assert m["messaging_s"] == pytest.approx(m["draft_s"] - m["draft_compute_s"] + m["verify_s"] - m["verify_compute_s"])
+    assert m["messaging_s"] > 0 and m["merge_s"] > 0
+    assert m["mean_overhead_s"] * m["num_steps"] == pytest.approx(
+        m["busy_s"] - m["draft_compute_s"] - m["verify_compute_s"], rel=1e-6)
 
 
 def test_stream_yields_increments_that_add_up(rt):

@@ -53,12 +53,12 @@ def make_proposals(n: int = 4, k: int = 4) -> Proposals:
     toks = []
     for i, m in enumerate(lens):
         toks.extend([100 * i + j for j in range(m)] + [-1] * (k - m))
-    return Proposals(step_id=7, k=k, has_probs=True, seq_ids=[2**35 + i for i in range(n)],
+    return Proposals(step_id=7, k=k, has_probs=True, compute_s=0.0123, seq_ids=[2**35 + i for i in range(n)],
                      proposal_lens=lens, token_ids=toks)
 
 
 def make_result() -> StepResult:
-    return StepResult(step_id=INT64_MAX, seq_ids=[2**32, 5, 2**62], num_emitted=[1, 4, 2],
+    return StepResult(step_id=INT64_MAX, compute_s=1e-4, seq_ids=[2**32, 5, 2**62], num_emitted=[1, 4, 2],
                       token_ids=[0, 151_935, 2**31 - 1, 3, 4, 5, 6])
 
 
@@ -152,7 +152,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, 2**40, "1", None, True, [1], b"\x01"])
+@pytest.mark.parametrize("version", [0, 1, 3, -1, 2**40, "2", None, True, [2], b"\x02"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version
@@ -161,7 +161,7 @@ def test_wrong_protocol_version(version):
 
 def test_float_protocol_version_is_rejected():
     obj = raw(make_result())
-    obj[0] = 1.0
+    obj[0] = 2.0
     assert_protocol_error(pack(obj), match="version")
 
 
@@ -206,6 +206,8 @@ def field_index(cls, name: str) -> int:
     (Proposals, "k", False),
     (Proposals, "token_ids", 0),
     (StepResult, "step_id", 1.5),
+    (StepResult, "compute_s", 1),        # int where float
+    (Proposals, "compute_s", None),
     (StepResult, "num_emitted", [1]),
     (StepResult, "token_ids", "abc"),
 ])
@@ -273,6 +275,21 @@ def test_inconsistent_proposals_and_result_lengths():
     assert_protocol_error(with_field(r, token_ids=r.token_ids[:-1]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[1, 4]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[0, 5, 2]), match="num_emitted")
+    for bad in (-1.0, float("inf"), float("nan")):
+        assert_protocol_error(with_field(r, compute_s=bad), match="compute_s")
+        assert_protocol_error(with_field(q, compute_s=bad), match="compute_s")
+
+
+def test_decode_without_validation_skips_only_the_cross_field_checks():
+    """Workers decode plans this way and validate them themselves, once."""
+    p = make_plan(n=4, k=3)
+    inconsistent = with_field(p, seq_ids=[p.seq_ids[0]] * 4)
+    assert decode(inconsistent, StepPlan, validate=False).seq_ids == [p.seq_ids[0]] * 4
+    assert_protocol_error(inconsistent, expected=StepPlan, match="repeats")
+    obj = raw(p)
+    obj[2][field_index(StepPlan, "k")] = "3"
+    with pytest.raises(ProtocolError, match="k"):
+        decode(pack(obj), StepPlan, validate=False)
 
 
 @pytest.mark.parametrize("msg", [make_plan(), make_proposals(), make_result()], ids=lambda m: type(m).__name__)
