@@ -3,6 +3,9 @@ pass (no batch expansion) and runs the rejection sampler."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from scheduler.messages import StepPlan, StepResult
@@ -17,6 +20,7 @@ class TargetWorker(ModelWorker):
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
         """``draft_probs``: the proposing shards' ``[m, k, V]`` tensors in shard order
         (``plan.draft_rows`` indexes their concatenation)."""
+        t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
         n, k = plan.num_seqs, plan.k
@@ -24,61 +28,53 @@ class TargetWorker(ModelWorker):
         self._check_proposals(plan, plens, draft_probs)
         r.kv.apply(plan, plens)          # proposals are fed: their K/V is written too
         if n == 0:
-            return StepResult(step_id=plan.step_id)
+            return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
         dev = r.device
-        props = plan.proposal_token_ids or [-1] * (n * k)
-
-        # Packed input: each sequence's new tokens, then its proposals.
-        tokens: list[int] = []
-        fed: list[int] = []
-        score_rows: list[int] = []      # packed row of each scored position
-        pad_rows: list[int] = []        # where it goes in [n * (k + 1)]
-        start = pos = 0
-        for i in range(n):
-            m = plan.num_new[i]
-            tokens.extend(plan.token_ids[start:start + m])
-            tokens.extend(props[i * k:i * k + plens[i]])
-            start += m
-            fed.append(m + plens[i])
-            last = pos + m - 1
-            score_rows.extend(range(last, last + plens[i] + 1))
-            pad_rows.extend(range(i * (k + 1), i * (k + 1) + plens[i] + 1))
-            pos += fed[-1]
-        logits = r.forward(plan.seq_ids, plan.num_computed, fed, r.to_device(tokens),
-                           r.to_device(score_rows))                                   # [S, V]
+        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, plens, k)
+        logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed.tolist(), batch.tokens.to(dev),
+                           batch.score_rows.to(dev))                                  # [n * (k+1), V]
         vocab = logits.shape[-1]
-        scores = logits.new_zeros(n * (k + 1), vocab)
-        scores[r.to_device(pad_rows)] = logits
-        scores = scores.view(n, k + 1, vocab)                                         # [n, k+1, V]
-        draft_ids = torch.tensor(props, dtype=torch.long).view(n, k).to(dev)          # [n, k]
-        lens_t = r.to_device(plens)
+        scores = logits.view(n, k + 1, vocab)
+        draft_ids = batch.draft_ids.to(dev)
+        lens_t = batch.proposal_lens.to(dev)
 
-        out = torch.empty(n, k + 1, dtype=torch.long, device=dev)
-        emitted = torch.empty(n, dtype=torch.long, device=dev)
-        g_rows = [i for i in range(n) if plan.temperature[i] == 0]
-        s_rows = [i for i in range(n) if plan.temperature[i] > 0]
-        if g_rows:
-            gi = r.to_device(g_rows)
-            out[gi], emitted[gi] = greedy_verify(scores[gi].argmax(dim=-1), draft_ids[gi], lens_t[gi])
-        if s_rows:
-            si = r.to_device(s_rows)
-            m = len(s_rows)
-            rep = lambda xs: [xs[i] for i in s_rows for _ in range(k + 1)]  # noqa: E731
-            probs = logits_to_probs(scores[si].view(m * (k + 1), vocab), r.to_device(rep(plan.temperature), torch.float32),
-                                    rep(plan.top_k), rep(plan.top_p)).view(m, k + 1, vocab)
-            rows = [plan.draft_rows[i] if plan.draft_rows else -1 for i in s_rows]
-            q, has_q = self._draft_probs(draft_probs, rows, dev)
-            base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in s_rows])   # L_i
-            positions = base.unsqueeze(-1) + torch.arange(k + 1, device=dev)             # [m, k+1]
-            seeds = r.to_device([plan.seeds[i] for i in s_rows]).unsqueeze(-1)
-            accept_u = keyed_uniform(seeds, positions[:, :k], STREAM_ACCEPT)
-            sample_u = keyed_uniform(seeds, positions, STREAM_TARGET)
-            out[si], emitted[si] = random_verify(probs, draft_ids[si], q, has_q, lens_t[si], accept_u, sample_u)
+        temps = torch.tensor(plan.temperature, dtype=torch.float32)
+        if not bool((temps > 0).any()):
+            out, emitted = greedy_verify(scores.argmax(dim=-1), draft_ids, lens_t)
+        else:
+            out = torch.empty(n, k + 1, dtype=torch.long, device=dev)
+            emitted = torch.empty(n, dtype=torch.long, device=dev)
+            g_rows = (temps == 0).nonzero().squeeze(-1)
+            if len(g_rows):
+                gi = g_rows.to(dev)
+                out[gi], emitted[gi] = greedy_verify(scores[gi].argmax(dim=-1), draft_ids[gi], lens_t[gi])
+            si = (temps > 0).nonzero().squeeze(-1)
+            out[si.to(dev)], emitted[si.to(dev)] = self._sample(plan, si, scores, draft_ids, lens_t, draft_probs)
 
-        counts = emitted.tolist()
-        flat = out.tolist()
-        token_ids = [t for i, row in enumerate(flat) for t in row[:counts[i]]]
-        return StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=counts, token_ids=token_ids)
+        # One host sync: the counts, then every emitted token in batch order.
+        keep = torch.arange(k + 1, device=dev) < emitted.unsqueeze(-1)
+        flat = torch.cat([emitted, out[keep]]).tolist()
+        return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids),
+                          num_emitted=flat[:n], token_ids=flat[n:])
+
+    def _sample(self, plan: StepPlan, si: torch.Tensor, scores, draft_ids, lens_t, draft_probs):
+        """Rejection sampling for the rows ``si`` (host indices) that sample."""
+        r = self.runner
+        dev = r.device
+        k1, vocab = scores.shape[1:]
+        rows = si.tolist()
+        di = si.to(dev)
+        m = len(rows)
+        rep = lambda xs: [xs[i] for i in rows for _ in range(k1)]  # noqa: E731
+        probs = logits_to_probs(scores[di].view(m * k1, vocab), r.to_device(rep(plan.temperature), torch.float32),
+                                rep(plan.top_k), rep(plan.top_p)).view(m, k1, vocab)
+        q, has_q = self._draft_probs(draft_probs, [plan.draft_rows[i] if plan.draft_rows else -1 for i in rows], dev)
+        base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])         # L_i
+        positions = base.unsqueeze(-1) + torch.arange(k1, device=dev)                      # [m, k+1]
+        seeds = r.to_device([plan.seeds[i] for i in rows]).unsqueeze(-1)
+        accept_u = keyed_uniform(seeds, positions[:, :-1], STREAM_ACCEPT)
+        sample_u = keyed_uniform(seeds, positions, STREAM_TARGET)
+        return random_verify(probs, draft_ids[di], q, has_q, lens_t[di], accept_u, sample_u)
 
     def _check_proposals(self, plan: StepPlan, plens: list[int], shards) -> None:
         """Proposals are fed to the model and index one-hot rows, draft rows index the
@@ -115,3 +111,37 @@ class TargetWorker(ModelWorker):
             return None, has
         allp = torch.cat([s.to(dev) for s in present]) if len(present) > 1 else present[0].to(dev)
         return allp[torch.tensor([max(r, 0) for r in rows], device=dev)], has
+
+
+@dataclass
+class PackedVerify:
+    tokens: torch.Tensor          # [T]: per sequence its new tokens, then its proposals
+    fed: torch.Tensor             # [n]: tokens each sequence feeds
+    score_rows: torch.Tensor      # [n * (k+1)]: packed row scoring each position (repeats past k_i)
+    draft_ids: torch.Tensor       # [n, k], -1 padded
+    proposal_lens: torch.Tensor   # [n]
+
+
+def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token_ids: list[int],
+                        proposal_lens: list[int], k: int) -> PackedVerify:
+    """The verify pass's input layout, built with a fixed number of host tensor ops
+    whatever the batch size. Sequence i's positions 0..k_i are scored at its last new
+    token and its proposals; rows past k_i repeat its last scored row so the logits come
+    out as a dense ``[n, k+1]`` grid without a scatter (the sampler never reads them)."""
+    n = len(num_new)
+    new = torch.tensor(num_new)
+    lens = torch.tensor(proposal_lens)
+    draft_ids = torch.tensor(proposal_token_ids, dtype=torch.long).view(n, k) if proposal_token_ids \
+        else torch.full((n, k), -1, dtype=torch.long)
+    fed = new + lens
+    starts = fed.cumsum(0) - fed                                       # first packed row of each
+    cols = torch.arange(k)
+    is_prop = cols < lens.unsqueeze(-1)                                # [n, k]
+    tokens = torch.empty(int(fed.sum()), dtype=torch.long)
+    # New tokens keep their order and move right by the proposals packed before them.
+    shift = (starts - (new.cumsum(0) - new)).repeat_interleave(new)
+    tokens[torch.arange(len(token_ids)) + shift] = torch.tensor(token_ids, dtype=torch.long)
+    tokens[((starts + new).unsqueeze(-1) + cols)[is_prop]] = draft_ids[is_prop]
+    last_new = starts + new - 1
+    score_rows = last_new.unsqueeze(-1) + torch.minimum(torch.arange(k + 1), lens.unsqueeze(-1))
+    return PackedVerify(tokens, fed, score_rows.flatten(), draft_ids, lens)

@@ -9,7 +9,7 @@ import torch
 
 from workers.model_runner import WorkerConfig
 from workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
-from workers.target_worker import TargetWorker
+from workers.target_worker import TargetWorker, packed_verify_batch
 
 VOCAB = 96
 K = 3
@@ -166,3 +166,33 @@ def test_k0_step_and_frees(worker, target_path, hf_model, hf_ref, plan_builder):
     result = worker.verify(plan_builder([], [], [], [], [], k=0, free_seq_ids=[60, 61]))
     assert result.seq_ids == [] and worker.runner.kv.blocks.num_used_blocks == used - 2 - 3
     worker.runner.kv.blocks.check_integrity()
+
+
+def _packed_reference(token_ids, num_new, props, plens, k):
+    """The layout written out one sequence at a time."""
+    tokens, fed, rows, start, pos = [], [], [], 0, 0
+    for i, m in enumerate(num_new):
+        tokens += token_ids[start:start + m] + props[i * k:i * k + plens[i]]
+        start += m
+        fed.append(m + plens[i])
+        last = pos + m - 1
+        rows += [last + min(j, plens[i]) for j in range(k + 1)]
+        pos += fed[-1]
+    return tokens, fed, rows
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_packed_verify_batch_matches_a_per_sequence_reference(k):
+    g = torch.Generator().manual_seed(k)
+    for _ in range(200):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        num_new = torch.randint(1, 6, (n,), generator=g).tolist()
+        plens = torch.randint(0, k + 1, (n,), generator=g).tolist()
+        token_ids = _rand(g, sum(num_new))
+        props = [t if j < plens[i] else -1 for i in range(n) for j, t in enumerate(_rand(g, k))]
+        got = packed_verify_batch(token_ids, num_new, props if k else [], plens, k)
+        tokens, fed, rows = _packed_reference(token_ids, num_new, props, plens, k)
+        assert got.tokens.tolist() == tokens
+        assert got.fed.tolist() == fed
+        assert got.score_rows.tolist() == rows
+        assert got.draft_ids.flatten().tolist() == props
