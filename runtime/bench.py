@@ -34,6 +34,12 @@ class BenchSettings:
     progress: bool = True
     policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft runs
     colocate: bool = False                    # specray's workers inside the driver's process
+    compiled_graph: bool = False              # driver <-> worker steps over compiled graph channels
+
+
+# Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
+PHASES = {"schedule": "schedule_s", "draft": "draft_compute_s", "merge": "merge_s",
+          "verify": "verify_compute_s", "messaging": "messaging_s", "driver": "driver_overhead_s"}
 
 
 @dataclass
@@ -53,6 +59,11 @@ class Run:
     drafted: int = 0
     emitted: int = 0
     seq_steps: int = 0
+    steps: int = 0
+    phase_s: dict[str, float] = field(default_factory=dict)
+    # Per step (specray runs): where the time went, in ms; ``overhead`` is everything but
+    # the workers' own compute.
+    step_ms: dict[str, float] | None = None
 
     @property
     def key(self) -> tuple:
@@ -65,6 +76,11 @@ class Run:
             self.acceptance_rate = self.accepted / self.drafted
         if self.seq_steps:
             self.mean_accepted_length = self.emitted / self.seq_steps
+        if self.steps:
+            ms = {name: self.phase_s[key] / self.steps * 1e3 for name, key in PHASES.items()}
+            ms["step"] = sum(ms.values())
+            ms["overhead"] = ms["step"] - ms["draft"] - ms["verify"]
+            self.step_ms = ms
 
 
 class OutputCheck:
@@ -188,7 +204,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         runtimes[(proposer, policy)] = SpecRuntime(RuntimeConfig(
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
             num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
-            max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate))
+            max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate,
+            compiled_graph=s.compiled_graph))
     # One configuration = (system, proposer, batch size, mode, policy).
     plan: list[tuple[str, str, int, str, str]] = []
     # Batch 1 always runs: the analytic bound and the assisted-generation comparison are
@@ -228,6 +245,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
                     run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
                     run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
+                    run.steps += after["num_steps"] - before["num_steps"]
+                    for key in PHASES.values():
+                        run.phase_s[key] = run.phase_s.get(key, 0.0) + after[key] - before[key]
                     if b == 1 and mode == "greedy" and (proposer == "none" or policy == s.policies[0]):
                         steps = after["num_steps"] - before["num_steps"]
                         if proposer == "draft":
@@ -264,7 +284,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
         "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
-        "colocate": s.colocate, "torch_threads": torch.get_num_threads(),
+        "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "runs": [_public(r) for r in runs.values()],
     }
@@ -273,7 +293,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
 
 def _public(r: Run) -> dict:
     d = asdict(r)
-    for key in ("accepted", "drafted", "emitted", "seq_steps"):
+    for key in ("accepted", "drafted", "emitted", "seq_steps", "steps", "phase_s"):
         d.pop(key)
     return d
 
@@ -330,6 +350,15 @@ def format_table(result: dict) -> str:
         spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
         lines.append(f"{r['system']:8} {r['proposer']:9} {r['policy']:8} {r['mode']:8} {r['batch_size']:>5} "
                      f"{r['tokens_per_s']:>10.1f} {spread:>17} {acc:>7} {mal:>8}")
+    lines.append("")
+    lines.append("per step, ms (draft and verify: the workers' own compute; overhead: the rest of the step)")
+    names = [*PHASES, "overhead", "step"]
+    head = f"{'proposer':9} {'policy':8} {'batch':>5} " + " ".join(f"{n:>9}" for n in names)
+    lines += [head, "-" * len(head)]
+    for r in result["runs"]:
+        if r["step_ms"] and r["mode"] == "greedy":
+            lines.append(f"{r['proposer']:9} {r['policy']:8} {r['batch_size']:>5} "
+                         + " ".join(f"{r['step_ms'][n]:>9.3f}" for n in names))
     lines.append("")
     lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "
                  f"analytic bound={result['analytic_bound']:.2f}x  measured (draft vs none, batch 1)="

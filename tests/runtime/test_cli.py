@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import OutputCheck, analytic_speedup
+from runtime.bench import PHASES, OutputCheck, analytic_speedup
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = [sys.executable, "-m", "runtime.cli"]
@@ -64,6 +64,16 @@ def test_bench_quick_json_has_every_field(tmp_path):
                   and r["mode"] == "greedy")
     assert result["alpha"] == pytest.approx(draft1["acceptance_rate"])
     assert result["analytic_bound"] == pytest.approx(analytic_speedup(result["alpha"], result["c"], result["k"]))
+    # Every specray run says where its step time went; the parts add up to the step.
+    for r in result["runs"]:
+        if r["system"] == "specray":
+            ms = r["step_ms"]
+            assert ms["draft" if r["proposer"] == "draft" else "verify"] > 0 and ms["messaging"] > 0
+            assert ms["step"] == pytest.approx(sum(ms[p] for p in PHASES))
+            assert ms["overhead"] == pytest.approx(ms["step"] - ms["draft"] - ms["verify"])
+        else:
+            assert r["step_ms"] is None
+    assert "per step, ms" in p.stdout
 
 
 def test_analytic_speedup_limits():
