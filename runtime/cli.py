@@ -47,7 +47,8 @@ def cmd_bench(args) -> int:
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
-                      device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate)
+                      device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
+                      compiled_graph=args.compiled_graph)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--policy", default="static", choices=["static", "adaptive", "both"],
                    help="speculation policy of the draft runs")
     b.add_argument("--colocate", action="store_true", help="specray's workers inside the driver's process")
+    b.add_argument("--compiled-graph", action="store_true",
+                   help="specray's driver <-> worker steps over Ray Compiled Graph channels")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

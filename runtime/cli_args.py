@@ -34,6 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--colocate", action="store_true",
                    help="run draft and target inside the driver's actor (one process, no hops per step)")
+    p.add_argument("--compiled-graph", action="store_true",
+                   help="driver <-> worker steps over Ray Compiled Graph channels instead of actor calls")
     p.add_argument("--num-draft-workers", type=int, default=1)
     p.add_argument("--num-target-workers", type=int, default=1)
     p.add_argument("--draft-resources", type=json.loads, default={},
@@ -68,4 +70,4 @@ def runtime_config(args, **extra):
         placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout,
         ray_address=args.ray_address,
         speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, colocate=args.colocate,
-        **extra)
+        compiled_graph=args.compiled_graph, **extra)

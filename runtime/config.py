@@ -31,6 +31,7 @@ class RuntimeConfig:
     max_worker_restarts: int = 3             # Ray restarts a dead worker actor this many times
     target_down_timeout_s: float = 120.0     # requests fail once every target worker is gone this long
     colocate: bool = False                   # draft and target run inside the driver's actor: no hops
+    compiled_graph: bool = False             # driver <-> worker steps over Ray Compiled Graph channels
     placement_strategy: str = "SPREAD"
     placement_timeout_s: float = 300.0       # an autoscaler may need minutes to add nodes
     ray_address: str | None = None
@@ -82,6 +83,8 @@ class RuntimeConfig:
             raise ValueError(f"speculation_policy must be 'static' or 'adaptive', got {self.speculation_policy!r}")
         if self.disable_by_batch_size is not None:
             _positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        if self.compiled_graph and self.colocate:
+            raise ValueError("compiled_graph needs worker actors; colocate=True runs the workers in the driver")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
 

@@ -253,6 +253,8 @@ class DriverCore:
                  draft_workers_down=sorted(self.scheduler.drafts_down),
                  target_workers_down=sorted(self.scheduler.targets_down),
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
+                 # workers whose steps run over a compiled graph's channel right now
+                 num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
                  num_speculative_tokens=self.config.k, proposer=self.config.proposer,
                  last_error=self._last_error)
         return m

@@ -29,6 +29,8 @@ class WorkerCall(Protocol):
     def wait(self, handle: Any) -> Any: ...
     def alive(self) -> bool: ...
     def gone(self) -> bool: ...
+    def compiled(self) -> bool: ...
+    def close(self) -> None: ...
 
 
 class LocalCall:
@@ -48,6 +50,12 @@ class LocalCall:
 
     def gone(self) -> bool:
         return False
+
+    def compiled(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class Engine:

@@ -16,6 +16,10 @@ from workers import draft_worker, target_worker
 class DraftWorker(draft_worker.DraftWorker):
     @ray.method(num_returns=2)
     def propose_msg(self, data: bytes):
+        return self.propose_step(data)
+
+    def propose_step(self, data: bytes) -> tuple[bytes, object]:
+        """One return value, for a compiled graph's channel."""
         proposals, probs = self.propose(decode(data, StepPlan, validate=False))
         # Tensors leave the actor on the host so any node can read them.
         return encode(proposals), (probs.cpu() if probs is not None else None)
@@ -27,6 +31,11 @@ class DraftWorker(draft_worker.DraftWorker):
 class TargetWorker(target_worker.TargetWorker):
     def verify_msg(self, data: bytes, *draft_probs) -> bytes:
         return encode(self.verify(decode(data, StepPlan, validate=False), *draft_probs))
+
+    def verify_step(self, msg: tuple) -> bytes:
+        """``(plan bytes, [draft probabilities])`` as one argument, for a compiled graph."""
+        data, draft_probs = msg
+        return self.verify_msg(data, *draft_probs)
 
     def ready(self) -> bool:
         return True

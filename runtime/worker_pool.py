@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.compiled_channel import CompiledChannel
 from runtime.config import RuntimeConfig
 from runtime.engine import LocalCall, WorkerCall, WorkerLost
 from scheduler.messages import Proposals, StepResult, decode, encode
@@ -32,6 +33,8 @@ class WorkerPool:
     placement_group: Any = None
 
     def release(self) -> None:
+        for call in self.verifiers + self.proposers:
+            call.close()
         if not self.actors and self.placement_group is None:
             return
         import ray
@@ -48,26 +51,52 @@ class WorkerPool:
 
 class _RayWorkerCall:
     """A worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
-    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer."""
+    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer.
+    With ``compiled``, step calls go through a compiled graph's channel to
+    ``step_method``, rebuilt after each restart; classic calls if it cannot be built."""
 
-    def __init__(self, actor, max_restarts: int) -> None:
+    step_method = ""
+
+    def __init__(self, actor, max_restarts: int, compiled: bool = False) -> None:
         self.actor = actor
         self.max_restarts = max_restarts   # -1: Ray restarts it forever
         self.losses = 0
         self._ready = None        # a ready() call in flight while the actor is lost
         self._asked = 0.0
+        self.channel = CompiledChannel(getattr(actor, self.step_method)) if compiled else None
+
+    def _execute(self, arg):
+        """A compiled-graph call, or None: use a classic one."""
+        if self.channel is None or self.channel.failed:
+            return None
+        try:
+            return self.channel.execute(arg)
+        except Exception as e:   # noqa: BLE001 - e.g. its graph closed by a death: ``wait`` sorts it out
+            return e
+
+    def compiled(self) -> bool:
+        return self.channel is not None and self.channel.live
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
 
     def _get(self, ref):
         import ray
 
         try:
-            return ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            if isinstance(ref, BaseException):
+                raise ref
+            return CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
             # A lost call or an empty restarted worker: either way one death (a worker
-            # that is down gets no calls, so a death is not counted twice).
+            # that is down gets no calls, so a death is not counted twice). Its graph
+            # is closed with it; a new one is built once it answers again.
             self.losses += 1
+            if self.channel is not None:
+                self.channel.close()
             self._ask()
             raise WorkerLost(str(e)) from None
 
@@ -102,19 +131,36 @@ class _RayWorkerCall:
 
 
 class RayVerify(_RayWorkerCall):
+    step_method = "verify_step"
+
     def submit(self, plan, probs):
+        data = encode(plan)
+        if self.channel is not None and not self.channel.failed:
+            import ray
+
+            # A draft on classic calls hands over ObjectRefs; a channel carries values.
+            ref = self._execute((data, [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in probs]))
+            if ref is not None:
+                return ref
         # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
-        return self.actor.verify_msg.remote(encode(plan), *probs)
+        return self.actor.verify_msg.remote(data, *probs)
 
     def wait(self, handle):
         return decode(self._get(handle), StepResult)
 
 
 class RayPropose(_RayWorkerCall):
+    step_method = "propose_step"
+
     def submit(self, plan):
-        return self.actor.propose_msg.remote(encode(plan))
+        data = encode(plan)
+        ref = self._execute(data)
+        return ref if ref is not None else self.actor.propose_msg.remote(data)
 
     def wait(self, handle):
+        if not isinstance(handle, tuple):     # a compiled graph's one value (or its error)
+            data, probs = self._get(handle)
+            return decode(data, Proposals), probs
         ref, probs_ref = handle
         return decode(self._get(ref), Proposals), probs_ref
 
@@ -190,8 +236,9 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
             remove_placement_group(pg)
         raise
     restarts = cfg.max_worker_restarts
-    proposers = [RayPropose(a, restarts) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
-    return WorkerPool([RayVerify(a, restarts) for a in targets], proposers, t_blocks, d_blocks, actors, pg)
+    proposers = [RayPropose(a, restarts, cfg.compiled_graph) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
+    return WorkerPool([RayVerify(a, restarts, cfg.compiled_graph) for a in targets], proposers, t_blocks, d_blocks,
+                      actors, pg)
 
 
 def _bundle(opts: dict) -> dict:
