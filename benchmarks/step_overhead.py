@@ -3,10 +3,11 @@
     python benchmarks/step_overhead.py [--target DIR --draft DIR] [--tokens 64] [--repeats 3]
 
 Layouts: co-located (driver, draft and target in one actor), single node (driver, draft
-and target actors on one node), and multi-node (a ray.cluster_utils.Cluster with the
-draft and the target on their own nodes). Each reports, per step at batch 1: wall time,
-the draft call, the verify call, and the driver's own overhead (scheduling, merge,
-update), medians over the repeats.
+and target actors on one node) with classic actor calls and with compiled graph
+channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
+their own nodes, both ways). Each reports, per step at batch 1: wall time, the draft and verify
+workers' own compute, messaging (the rest of those calls), and the driver's own overhead
+(scheduling, merge, update), medians over the repeats.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> 
             after = rt.metrics()
             steps = after["num_steps"] - before["num_steps"]
             per = {k: (after[k] - before[k]) / steps * 1e3 for k in
-                   ("busy_s", "draft_s", "verify_s", "schedule_s", "driver_overhead_s")}
+                   ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s",
+                    "driver_overhead_s")}
             per["tokens_per_step"] = (after["num_emitted_tokens"] - before["num_emitted_tokens"]) / steps
             rows.append(per)
         return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
@@ -61,6 +63,7 @@ def main() -> None:
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     results["co-located"] = measure({**base, "colocate": True}, prompts, args.tokens, args.repeats)
     results["single node"] = measure(base, prompts, args.tokens, args.repeats)
+    results["compiled"] = measure({**base, "compiled_graph": True}, prompts, args.tokens, args.repeats)
     ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for kind in ("draft", "target"):
@@ -68,16 +71,16 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        results["multi-node"] = measure({**base, "draft_resources": {"specray_draft": 1},
-                                         "target_resources": {"specray_target": 1}},
-                                        prompts, args.tokens, args.repeats)
+        placed = {**base, "draft_resources": {"specray_draft": 1}, "target_resources": {"specray_target": 1}}
+        results["multi-node"] = measure(placed, prompts, args.tokens, args.repeats)
+        results["multi compiled"] = measure({**placed, "compiled_graph": True}, prompts, args.tokens, args.repeats)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(f"{'layout':12} {'step ms':>8} {'draft ms':>9} {'verify ms':>10} {'sched ms':>9} {'driver ms':>10} {'tok/step':>9}")
+    cols = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
+    print(f"{'layout':14} " + " ".join(f"{c[:-2]:>16}" for c in cols) + f" {'tok/step':>9}   (ms per step)")
     for name, r in results.items():
-        print(f"{name:12} {r['busy_s']:8.2f} {r['draft_s']:9.2f} {r['verify_s']:10.2f} {r['schedule_s']:9.3f} "
-              f"{r['driver_overhead_s']:10.3f} {r['tokens_per_step']:9.2f}")
+        print(f"{name:14} " + " ".join(f"{r[c]:16.3f}" for c in cols) + f" {r['tokens_per_step']:9.2f}")
     print(json.dumps(results))
 
 

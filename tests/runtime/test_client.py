@@ -1,12 +1,13 @@
-"""The client handle through real Ray actors: generate, stream, metrics, bad input,
-connect by name, shutdown and restart."""
+"""The client handle through real Ray actors (steps over compiled graph channels; the
+other Ray tests use classic actor calls): generate, stream, metrics, bad input, connect
+by name, shutdown and restart."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, run_local
 from runtime import RequestOutput, RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 64
@@ -16,7 +17,8 @@ MAX_LEN = 64
 def rt(ray_module, llama_pair):
     t, d = llama_pair
     runtime = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4,
-                                        device="cpu", dtype="float32", max_model_len=MAX_LEN, name="specray-test"))
+                                        device="cpu", dtype="float32", max_model_len=MAX_LEN, name="specray-test",
+                                        compiled_graph=True))
     yield runtime
     runtime.shutdown()
 
@@ -48,25 +50,16 @@ def test_generate_through_ray_equals_hf(rt, llama_pair):
         m["busy_s"] - m["draft_compute_s"] - m["verify_compute_s"], rel=1e-6)
 
 
-def test_compiled_graph_pools_give_the_same_outputs(rt, llama_pair):
-    """Steps over compiled graph channels (two draft and two target workers, so
-    probabilities of several shards travel by value): greedy output is transformers',
-    seeded samples are the classic runtime's."""
+def test_compiled_graph_samples_equal_the_in_process_path(rt, llama_pair):
+    """The module's runtime steps over compiled graph channels (draft probabilities
+    travel by value): seeded samples equal an in-process driver's."""
     t, d = llama_pair
     ps = some_prompts()
     sampled = [SamplingParams(max_tokens=16, temperature=0.9, seed=i) for i in range(len(ps))]
-    compiled = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                         dtype="float32", max_model_len=MAX_LEN, compiled_graph=True,
-                                         num_draft_workers=2, num_target_workers=2))
-    try:
-        greedy = compiled.generate(ps, SamplingParams(max_tokens=20, temperature=0.0))
-        assert [o.token_ids for o in greedy] == hf_greedy(t, ps, 20)
-        assert [o.token_ids for o in compiled.generate(ps, sampled)] == [o.token_ids for o in rt.generate(ps, sampled)]
-        m = compiled.metrics()
-        assert m["num_compiled_workers"] == 4 and m["num_draft_tokens"] > 0
-        assert rt.metrics()["num_compiled_workers"] == 0
-    finally:
-        compiled.shutdown()
+    local, _ = run_local(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                       dtype="float32", max_model_len=MAX_LEN), ps, sampled)
+    assert [o.token_ids for o in rt.generate(ps, sampled)] == [o.token_ids for o in local]
+    assert rt.metrics()["num_compiled_workers"] == 2
 
 
 def test_stream_yields_increments_that_add_up(rt):
