@@ -9,16 +9,19 @@ Layout, block_size = 4, two sequences (s0: 5 cached + 2 new, s1: 0 cached + 3 ne
 
     packed tokens   T = 5:   s0:p5 s0:p6 s1:p0 s1:p1 s1:p2
     slot_mapping:            where each new token's K/V is written
-    ctx_slots [n, Lmax=7]:   s0: slots of positions 0..6     s1: 0..2 then padding
-    q_index   [T]:           row of each token in the padded [n * Qmax] query layout
+    block_index [n * W=2]:   s0: its blocks 0..1   s1: its block 0, then padding (block 0)
+    q_positions [n, Qmax=3]: s0: 5 6 6   s1: 0 1 2   (padding repeats the last real row)
+    q_src [n * Qmax]:        packed token of each padded query row: 0 1 1 2 3 4
+    q_index [T]:             padded row of each packed token:       0 1 3 4 5
 
-Each layer writes the new K/V into the cache, gathers every sequence's context into a
-padded ``[n, Lmax]`` view and runs one masked SDPA for the whole batch.
+Each layer writes the new K/V into the cache, gathers every sequence's whole blocks into
+a padded ``[n, W * block_size]`` context and runs one masked SDPA for the whole batch
+(a batch with nothing cached attends over its own K/V instead).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,54 +34,84 @@ _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 @dataclass
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: [num_slots, KVH, D] each
+    block_size: int
     slot_mapping: torch.Tensor     # [T] long
-    ctx_slots: torch.Tensor        # [n, Lmax] long
-    q_index: torch.Tensor          # [T] long, into [n * Qmax]
-    q_positions: torch.Tensor      # [n, Qmax] long (padding rows hold 0: they see key 0 only)
+    block_index: torch.Tensor      # [n * W] long: each sequence's first W blocks, padded with block 0
+    q_positions: torch.Tensor      # [n, Qmax] long
+    q_src: torch.Tensor | None     # [n * Qmax] long; None when every sequence feeds Qmax tokens
+    q_index: torch.Tensor | None   # [T] long; None with q_src
     num_seqs: int
     max_query_len: int
+    prefill: bool                  # nothing cached: the step's own K/V are the whole context
+    _masks: dict = field(default_factory=dict, repr=False)
+    _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        key_pos = torch.arange(self.ctx_slots.shape[1], device=self.ctx_slots.device)
-        q = self.q_positions.unsqueeze(-1)                                  # [n, Qmax, 1]
-        m = key_pos <= q                                                    # [n, Qmax, Lmax]
-        if sliding_window:
-            m &= key_pos > q - sliding_window
-        return m.unsqueeze(1)                                               # [n, 1, Qmax, Lmax]
+    @property
+    def context_len(self) -> int:
+        if self.prefill:
+            return self.max_query_len
+        return self.block_index.numel() // self.num_seqs * self.block_size
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [n, 1, Qmax, context_len] mask, built by the first layer that asks:
+        layers differ at most in their window. Causality alone hides the keys past each
+        sequence's context (padding keys, stale slots); padding query rows repeat a real
+        row, so no row is fully masked (SDPA would give NaN)."""
+        key = (sliding_window, dtype)
+        if key not in self._masks:
+            key_pos = torch.arange(self.context_len, device=self.q_positions.device)
+            q = self.q_positions.unsqueeze(-1)                              # [n, Qmax, 1]
+            hidden = key_pos > q
+            if sliding_window:
+                hidden |= key_pos <= q - sliding_window
+            zeros = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+            self._masks[key] = zeros.masked_fill_(hidden, float("-inf")).unsqueeze(1)
+        return self._masks[key]
+
+    def context_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather targets [n * W, block_size, KVH, D], shared by the layers (each is
+        done with them before the next one runs): fresh multi-MB CPU buffers per layer cost
+        more in page faults than the gather itself."""
+        if self._context is None:
+            shape = (self.block_index.numel(), self.block_size, *like.shape[1:])
+            self._context = (like.new_empty(shape), like.new_empty(shape))
+        return self._context
 
 
 def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
     """Host-side construction of one forward's metadata; returns it and positions [T]."""
     n = len(num_new)
-    ctx_lens = [c + f for c, f in zip(num_computed, num_new)]
-    lmax = max(ctx_lens)
     qmax = max(num_new)
-    width = max(len(t) for t in block_tables)
-    tables = torch.zeros(n, width, dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    pos = torch.arange(lmax)
-    valid = pos < torch.tensor(ctx_lens).unsqueeze(-1)                       # [n, Lmax]
-    blk = (pos // block_size).clamp(max=width - 1).expand(n, lmax)
-    ctx_slots = tables.gather(1, blk) * block_size + pos % block_size
-    ctx_slots = torch.where(valid, ctx_slots, torch.zeros_like(ctx_slots))
-
-    starts = torch.tensor(num_computed)
-    lens = torch.tensor(num_new)
-    offs = torch.arange(qmax)
-    q_valid = offs < lens.unsqueeze(-1)                                     # [n, Qmax]
-    q_positions = torch.where(q_valid, starts.unsqueeze(-1) + offs, torch.zeros_like(offs))
-    q_index = torch.arange(n * qmax).view(n, qmax)[q_valid]                 # [T]
-    positions = q_positions[q_valid]                                        # [T]
-    seq_of = torch.arange(n).unsqueeze(-1).expand(n, qmax)[q_valid]
-    slot_mapping = ctx_slots[seq_of, positions]
-
-    def dev(x):
-        return x.to(device, non_blocking=True)
-
-    meta = AttentionMetadata(kv_caches, dev(slot_mapping), dev(ctx_slots), dev(q_index), dev(q_positions), n, qmax)
-    return meta, dev(positions)
+    width = -(-max(c + q for c, q in zip(num_computed, num_new)) // block_size)
+    ragged = min(num_new) != qmax
+    # Per-token lists only through range/list concatenation (C speed), then one host
+    # tensor and one copy to the device.
+    blocks, q_positions, q_src, q_index = [], [], [], []
+    packed_start = 0
+    for i, (table, start, q) in enumerate(zip(block_tables, num_computed, num_new)):
+        row = table[:width]
+        blocks += row
+        blocks += [0] * (width - len(row))
+        q_positions += range(start, start + q)
+        if ragged:
+            q_positions += [start + q - 1] * (qmax - q)
+            q_src += range(packed_start, packed_start + q)
+            q_src += [packed_start + q - 1] * (qmax - q)
+            q_index += range(i * qmax, i * qmax + q)
+            packed_start += q
+    ints = torch.tensor(blocks + q_positions + q_src + q_index, dtype=torch.long).to(device, non_blocking=True)
+    block_index, q_pos, q_src_t, q_index_t = ints.split([len(blocks), n * qmax, len(q_src), len(q_index)])
+    q_pos = q_pos.view(n, qmax)
+    slots = block_index.view(n, width).gather(1, q_pos // block_size) * block_size + q_pos % block_size
+    positions, slot_mapping = q_pos.view(-1), slots.view(-1)
+    if ragged:
+        positions, slot_mapping = positions.index_select(0, q_index_t), slot_mapping.index_select(0, q_index_t)
+    else:
+        q_src_t = q_index_t = None
+    meta = AttentionMetadata(kv_caches, block_size, slot_mapping, block_index, q_pos, q_src_t, q_index_t,
+                             n, qmax, prefill=not any(num_computed))
+    return meta, positions
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -97,21 +130,38 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     n, qmax = meta.num_seqs, meta.max_query_len
-    _, heads, t, d = query.shape
+    _, heads, _, d = query.shape
     kvh = key.shape[1]
-    q = query[0].transpose(0, 1)                                            # [T, H, D]
-    q_pad = q.new_zeros(n * qmax, heads, d)
-    q_pad[meta.q_index] = q
-    q_pad = q_pad.view(n, qmax, heads, d).transpose(1, 2)                   # [n, H, Qmax, D]
-    k_ctx = k_cache[meta.ctx_slots].transpose(1, 2).to(q.dtype)             # [n, KVH, Lmax, D]
-    v_ctx = v_cache[meta.ctx_slots].transpose(1, 2).to(q.dtype)
-    mask = meta.mask(sliding_window)
+
+    def padded(x):                                                          # [1, h, T, D] -> [n, h, Qmax, D]
+        x = x[0].transpose(0, 1)
+        if meta.q_src is not None:
+            x = x.index_select(0, meta.q_src)
+        return x.reshape(n, qmax, x.shape[1], d).transpose(1, 2)
+
+    def context(cache, buf):
+        # Whole blocks: one contiguous copy per block instead of one per slot.
+        torch.index_select(cache.view(-1, meta.block_size, kvh, d), 0, meta.block_index, out=buf)
+        return buf.view(n, -1, kvh, d).transpose(1, 2).to(query.dtype)    # [n, KVH, W * bs, D]
+
+    q = padded(query)
+    if meta.prefill:
+        # Nothing cached: padded row j is position j of its sequence, so causal attention over
+        # the step's own K/V is exact for every real row, with no gather and (unless there is
+        # a window) no mask.
+        k_ctx, v_ctx = padded(key), padded(value)
+    else:
+        k_ctx, v_ctx = map(context, (k_cache, v_cache), meta.context_buffers(k_cache))
     if kvh != heads and not _HAS_GQA:
         k_ctx = k_ctx.repeat_interleave(heads // kvh, dim=1)
         v_ctx = v_ctx.repeat_interleave(heads // kvh, dim=1)
     extra = {"enable_gqa": True} if kvh != heads and _HAS_GQA else {}
-    out = F.scaled_dot_product_attention(q_pad, k_ctx, v_ctx, attn_mask=mask, scale=scaling, **extra)
-    out = out.transpose(1, 2).reshape(n * qmax, heads, d)[meta.q_index]     # [T, H, D]
+    mask = meta.mask(sliding_window, q.dtype) if sliding_window or not meta.prefill else None
+    out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None,
+                                         scale=scaling, **extra)
+    out = out.transpose(1, 2).reshape(n * qmax, heads, d)
+    if meta.q_index is not None:
+        out = out.index_select(0, meta.q_index)                             # [T, H, D]
     return out.unsqueeze(0), None
 
 

@@ -9,10 +9,13 @@ stale K/V.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from workers.model_runner import ModelRunner, WorkerConfig
+from workers.paged_attention import build_metadata, paged_attention
 
 VOCAB = 96
 BLOCK = 4
@@ -151,3 +154,63 @@ def test_kv_cache_apply_refuses_inconsistent_plans(model_dirs, plan_builder):
     assert runner.kv.blocks.num_free_blocks == 4
     with pytest.raises(ValueError, match="vocabulary"):
         runner.check_tokens(plan_builder([9], [0], [2], [1, VOCAB], [2]))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("num_computed, num_new", [
+    ([0, 7, 12, 3, 9], [6, 1, 1, 4, 1]),      # prefill, decode and verify rows together (ragged)
+    ([5, 0, 10], [3, 3, 3]),                  # every sequence feeds as many tokens
+    ([0, 0, 0], [6, 2, 7]),                   # nothing cached
+])
+def test_paged_attention_matches_per_sequence_reference(num_computed, num_new, window):
+    """paged_attention + build_metadata on random inputs against plain softmax attention over
+    each sequence's own contiguous K/V: shuffled blocks, stale slots, GQA."""
+    g = torch.Generator().manual_seed(len(num_new) + (window or 0))
+    heads, kvh, d, bs, num_blocks, layer = 4, 2, 8, 4, 24, 1
+    scale = d ** -0.5
+    totals = [c + q for c, q in zip(num_computed, num_new)]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for total in totals:                      # one lookahead block past what the step needs
+        tables.append(perm[:-(-total // bs) + 1])
+        perm = perm[len(tables[-1]):]
+    # Every slot starts with stale values: only what the step writes or had cached may be read.
+    kv = [(torch.randn(num_blocks * bs, kvh, d, generator=g), torch.randn(num_blocks * bs, kvh, d, generator=g))
+          for _ in range(2)]
+    k_cache, v_cache = kv[layer]
+    ks = [torch.randn(t, kvh, d, generator=g) for t in totals]
+    vs = [torch.randn(t, kvh, d, generator=g) for t in totals]
+    qs = [torch.randn(q, heads, d, generator=g) for q in num_new]
+
+    def slots(i, positions):
+        return torch.tensor([tables[i][p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+
+    for i, c in enumerate(num_computed):
+        k_cache[slots(i, range(c))] = ks[i][:c]
+        v_cache[slots(i, range(c))] = vs[i][:c]
+
+    def packed(xs):                           # per sequence [q, heads, D] -> [1, heads, T, D]
+        return torch.cat(xs).transpose(0, 1)[None]
+
+    def new(xs):
+        return [x[c:] for x, c in zip(xs, num_computed)]
+
+    meta, positions = build_metadata(kv, tables, num_computed, num_new, bs, torch.device("cpu"))
+    assert positions.tolist() == [p for c, q in zip(num_computed, num_new) for p in range(c, c + q)]
+    out, _ = paged_attention(types.SimpleNamespace(layer_idx=layer), packed(qs), packed(new(ks)), packed(new(vs)), None,
+                             scaling=scale, specray_meta=meta, sliding_window=window)
+
+    refs = []
+    for i, (c, q) in enumerate(zip(num_computed, num_new)):
+        k = ks[i].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)       # [heads, total, D]
+        v = vs[i].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)
+        qpos = torch.arange(c, c + q).unsqueeze(-1)
+        kpos = torch.arange(totals[i])
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        scores = (qs[i].transpose(0, 1) @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+        refs.append((scores.softmax(-1) @ v).transpose(0, 1))                   # [q, heads, D]
+    assert out.shape == (1, sum(num_new), heads, d)
+    torch.testing.assert_close(out[0], torch.cat(refs), atol=1e-5, rtol=1e-5)
+    for i, total in enumerate(totals):                                          # new K/V written in place
+        torch.testing.assert_close(k_cache[slots(i, range(total))], ks[i], atol=0, rtol=0)
+        torch.testing.assert_close(v_cache[slots(i, range(total))], vs[i], atol=0, rtol=0)
