@@ -17,7 +17,7 @@ from typing import Any
 from runtime.compiled_channel import CompiledChannel
 from runtime.config import RuntimeConfig
 from runtime.engine import LocalCall, WorkerCall, WorkerLost
-from scheduler.messages import Proposals, StepResult, decode, encode
+from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
 from workers.kv_cache import StaleCacheError
 from workers.model_runner import WorkerConfig
 from workers.ngram_proposer import NgramProposer
@@ -56,6 +56,7 @@ class _RayWorkerCall:
     ``step_method``, rebuilt after each restart; classic calls if it cannot be built."""
 
     step_method = ""
+    warm_up_args: tuple = ()
 
     def __init__(self, actor, max_restarts: int, compiled: bool = False) -> None:
         self.actor = actor
@@ -76,6 +77,12 @@ class _RayWorkerCall:
 
     def compiled(self) -> bool:
         return self.channel is not None and self.channel.live
+
+    def warm_up(self) -> None:
+        """Build the graph and run an empty step through it: a fresh graph's first
+        execution may take seconds, which belong to startup, not to a request."""
+        if self.channel is not None:
+            self.wait(self.submit(StepPlan(), *self.warm_up_args))
 
     def close(self) -> None:
         if self.channel is not None:
@@ -132,6 +139,7 @@ class _RayWorkerCall:
 
 class RayVerify(_RayWorkerCall):
     step_method = "verify_step"
+    warm_up_args = ([],)
 
     def submit(self, plan, probs):
         data = encode(plan)
@@ -236,9 +244,17 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
             remove_placement_group(pg)
         raise
     restarts = cfg.max_worker_restarts
+    verifiers = [RayVerify(a, restarts, cfg.compiled_graph) for a in targets]
     proposers = [RayPropose(a, restarts, cfg.compiled_graph) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
-    return WorkerPool([RayVerify(a, restarts, cfg.compiled_graph) for a in targets], proposers, t_blocks, d_blocks,
-                      actors, pg)
+    pool = WorkerPool(verifiers, proposers, t_blocks, d_blocks, actors, pg)
+    if cfg.compiled_graph:
+        try:
+            for call in verifiers + proposers:
+                call.warm_up()
+        except BaseException:
+            pool.release()
+            raise
+    return pool
 
 
 def _bundle(opts: dict) -> dict:

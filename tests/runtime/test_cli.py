@@ -43,7 +43,10 @@ def test_generate_rejects_bad_flags_with_the_field_name():
 def test_bench_quick_json_has_every_field(tmp_path):
     out = tmp_path / "bench"
     # Batch 1 is not asked for: it runs anyway, the analytic bound needs it.
-    p = run_cli(["bench", "--quick", "--batch-sizes", "4", "--out", str(out)], timeout=600)
+    # Co-located and short: the fields are under test here, not the speed (the client and
+    # fault tests drive worker actors).
+    p = run_cli(["bench", "--quick", "--colocate", "--max-tokens", "12", "--repeats", "1", "--batch-sizes", "4",
+                 "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in ("k", "alpha", "c", "analytic_bound", "efficiency", "greedy_outputs_equal", "runs"):
@@ -68,7 +71,7 @@ def test_bench_quick_json_has_every_field(tmp_path):
     for r in result["runs"]:
         if r["system"] == "specray":
             ms = r["step_ms"]
-            assert ms["draft" if r["proposer"] == "draft" else "verify"] > 0 and ms["messaging"] > 0
+            assert ms["draft" if r["proposer"] == "draft" else "verify"] > 0 and ms["messaging"] >= 0
             assert ms["step"] == pytest.approx(sum(ms[p] for p in PHASES))
             assert ms["overhead"] == pytest.approx(ms["step"] - ms["draft"] - ms["verify"])
         else:

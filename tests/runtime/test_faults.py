@@ -62,11 +62,11 @@ def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
     return [streamed] + [o.token_ids for o in batch]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["actor-calls", "compiled-graph"])
-def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected, compiled):
-    """With compiled graphs, the dead worker's graph is closed and a new one is built once
-    Ray has restarted it."""
-    rt = start_runtime(llama_pair, max_worker_restarts=2, compiled_graph=compiled)
+def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected):
+    """Over compiled graphs: the dead worker's graph is closed, and a new one is built once
+    Ray has restarted it. (Over classic actor calls, workers die in the other tests here
+    and in the multi-node node-loss tests.)"""
+    rt = start_runtime(llama_pair, max_worker_restarts=2, compiled_graph=True)
     try:
         (victim,) = alive_pids("DraftWorker")
         assert kill_mid_generation(rt, victim) == expected
@@ -86,7 +86,7 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         after = rt.metrics()
         assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
-        assert after["num_compiled_workers"] == (2 if compiled else 0)
+        assert after["num_compiled_workers"] == 2
     finally:
         rt.shutdown()
 
