@@ -245,11 +245,12 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
         raise
     restarts = cfg.max_worker_restarts
     verifiers = [RayVerify(a, restarts, cfg.compiled_graph) for a in targets]
-    proposers = [RayPropose(a, restarts, cfg.compiled_graph) for a in drafts] if drafts else (_ngram(cfg) if cfg.proposer == "ngram" else [])
+    remote_proposers = [RayPropose(a, restarts, cfg.compiled_graph) for a in drafts]
+    proposers = remote_proposers or (_ngram(cfg) if cfg.proposer == "ngram" else [])
     pool = WorkerPool(verifiers, proposers, t_blocks, d_blocks, actors, pg)
     if cfg.compiled_graph:
         try:
-            for call in verifiers + proposers:
+            for call in verifiers + remote_proposers:
                 call.warm_up()
         except BaseException:
             pool.release()

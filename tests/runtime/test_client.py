@@ -117,8 +117,9 @@ def test_connect_by_name(rt):
 
 def test_shutdown_then_a_second_runtime_starts_cleanly(ray_session, llama_pair):
     t, _ = llama_pair
-    for _ in range(2):
-        r = SpecRuntime(RuntimeConfig(target=t, proposer="ngram", block_size=4, device="cpu", dtype="float32"))
+    for compiled in (False, True):   # the n-gram proposer runs in the driver, beside a compiled target
+        r = SpecRuntime(RuntimeConfig(target=t, proposer="ngram", block_size=4, device="cpu", dtype="float32",
+                                      compiled_graph=compiled))
         (o,) = r.generate([[7, 8, 9, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
         assert len(o.token_ids) == 6
         r.shutdown()
