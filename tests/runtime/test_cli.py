@@ -122,8 +122,8 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
         inp.write_text("".join(json.dumps({"prompt": [1 + i % 90, 2, 3]}) + "\n" for i in range(20000)))
         args = ["batch", "--target", t, "--draft", d, *flags, "--input", str(inp),
                 "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "64", "--no-progress"]
-    else:   # the built-in pair: a text prompt needs its tokenizer
-        args = ["generate", "def main():", *flags, "--max-tokens", "2000"]
+    else:   # the built-in pair (a text prompt needs its tokenizer), over compiled graphs
+        args = ["generate", "def main():", *flags, "--max-tokens", "2000", "--compiled-graph"]
     proc = subprocess.Popen(SPECRAY + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

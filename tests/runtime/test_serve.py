@@ -12,11 +12,14 @@ from specray_testing import ROOT, hf_greedy
 CLIENT = """
 import json, sys
 from runtime import SpecRuntime, SamplingParams
-rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", address=sys.argv[2])
-outs = rt.generate([[1, 2, 3, 4], [9, 8, 7]], SamplingParams(max_tokens=12, temperature=0.0))
-streamed = [d.token_ids for d in rt.stream([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))]
-print(json.dumps({"tokens": [o.token_ids for o in outs], "streamed": streamed, "metrics": rt.metrics()}))
-rt.shutdown()   # an attached handle detaches: the driver keeps serving
+runs = []
+for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 1):
+    rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", address=sys.argv[2])
+    outs = rt.generate([[1, 2, 3, 4], [9, 8, 7]], SamplingParams(max_tokens=12, temperature=0.0))
+    streamed = [d.token_ids for d in rt.stream([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))]
+    runs.append({"tokens": [o.token_ids for o in outs], "streamed": streamed, "metrics": rt.metrics()})
+    rt.shutdown()   # an attached handle detaches: the driver keeps serving the next one
+print(json.dumps(runs))
 """
 
 
@@ -36,13 +39,16 @@ def test_serve_then_connect_from_another_process(ray_head, llama_pair):
         again = cli(["serve", "--target", t, "--proposer", "ngram", "--name", "srv", "--namespace", "specray-test",
                      "--ray-address", address], env)
         assert again.returncode == 1 and "already running" in again.stderr
-        for _ in range(2):   # a detached client leaves the driver serving the next one
-            c = subprocess.run([sys.executable, "-c", CLIENT, "srv", address], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=180)
-            assert c.returncode == 0, c.stderr[-3000:]
-            got = json.loads(c.stdout.strip().splitlines()[-1])
-            assert got["tokens"] == hf_greedy(t, [[1, 2, 3, 4], [9, 8, 7]], 12)
-            assert sum(got["streamed"], []) == hf_greedy(t, [[5, 6, 7]], 6)[0]
+        # Two handles one after the other: a detached client leaves the driver serving.
+        c = subprocess.run([sys.executable, "-c", CLIENT, "srv", address, "2"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=180)
+        assert c.returncode == 0, c.stderr[-3000:]
+        runs = json.loads(c.stdout.strip().splitlines()[-1])
+        assert len(runs) == 2
+        expected, expected_stream = hf_greedy(t, [[1, 2, 3, 4], [9, 8, 7]], 12), hf_greedy(t, [[5, 6, 7]], 6)[0]
+        for got in runs:
+            assert got["tokens"] == expected
+            assert sum(got["streamed"], []) == expected_stream
             assert got["metrics"]["num_draft_tokens"] > 0
     finally:
         stop = cli(["serve", "--stop", "--name", "srv", "--namespace", "specray-test", "--ray-address", address], env)
