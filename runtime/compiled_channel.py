@@ -7,9 +7,10 @@ graph keeps a shared-memory channel open to an actor loop that is already waitin
 Each worker gets a one-node graph rather than the step as one graph: an actor can
 belong to one graph at a time, and the engine calls only the workers that have work in
 a step (no draft call while speculation is off, none for a rank without sequences).
-Graphs are built lazily by the process that executes them (the driver's step thread).
-A worker that dies closes its graph; the caller falls back to classic calls until the
-worker answers again, then builds a new graph.
+The driver's actor builds every graph at startup and runs an empty step through it (a
+fresh graph's first execution takes seconds). A worker that dies takes its graph with
+it: the graph is torn down, and the first step after Ray has restarted the worker builds
+a new one. A graph that cannot be built at all leaves that worker on classic calls.
 """
 
 from __future__ import annotations
