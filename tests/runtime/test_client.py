@@ -1,8 +1,11 @@
 """The client handle through real Ray actors (steps over compiled graph channels; the
 other Ray tests use classic actor calls): generate, stream, metrics, bad input, connect
-by name, shutdown and restart."""
+by name, metrics on Ray's Prometheus endpoint, shutdown and restart."""
 
 from __future__ import annotations
+
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -123,3 +126,35 @@ def test_shutdown_then_a_second_runtime_starts_cleanly(ray_session, llama_pair):
         (o,) = r.generate([[7, 8, 9, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
         assert len(o.token_ids) == 6
         r.shutdown()
+
+
+def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
+    """The driver's metrics on Ray's metrics API, and their values moving with traffic:
+    the exported counter catches up with what metrics() counted after each request."""
+    port = ray_module._private.worker.global_worker.node.metrics_export_port
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("ray_specray_") and 'driver="specray-test"' in line and "worker=" not in line:
+                out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def wait_for(count: int) -> dict[str, float]:
+        got: dict[str, float] = {}
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            got = scrape()
+            if got.get("ray_specray_num_emitted_tokens_total", 0) >= count:
+                return got
+            time.sleep(1)
+        raise AssertionError(f"the exported token count never reached {count}: {got}")
+
+    rt.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
+    first = wait_for(rt.metrics()["num_emitted_tokens"])
+    for name in ("acceptance_rate", "mean_k", "mean_overhead_s"):
+        assert f"ray_specray_{name}" in first, (name, first)
+    rt.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
+    assert wait_for(rt.metrics()["num_emitted_tokens"])["ray_specray_num_emitted_tokens_total"] \
+        > first["ray_specray_num_emitted_tokens_total"]
