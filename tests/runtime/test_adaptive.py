@@ -4,7 +4,6 @@ right, falls to 0 (with probes) when it is never right, and greedy output never 
 
 from __future__ import annotations
 
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
