@@ -21,32 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], tokens: int, device: str, dtype) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    eos = model.generation_config.eos_token_id
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                             pad_token_id=0)
-        gen = out[0, len(p):].tolist()
-        stops = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        cut = next((i + 1 for i, t in enumerate(gen) if t in stops), len(gen))
-        outs.append(gen[:cut])
-    return outs
-
-
 def main() -> int:
     import ray
 
     from runtime import RuntimeConfig, SamplingParams, SpecRuntime
-    from runtime.bench import BenchSettings, format_table, run_bench
+    from runtime.bench import BenchSettings, HFRunner, format_table, run_bench
     from runtime.cli_args import builtin_model
     from runtime.stdlib_corpus import held_out_prompts
-    from workers.model_loader import load_config, load_tokenizer, resolve_device, resolve_dtype
+    from workers.model_loader import load_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["auto", "cpu", "cuda"])
@@ -55,13 +37,14 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     args = ap.parse_args()
     target, draft = builtin_model("tiny-target"), builtin_model("tiny-draft")
-    device = resolve_device(args.device)
-    dtype = resolve_dtype("auto", device, load_config(target))
-    print(f"device {device}, dtype {dtype}", flush=True)
+    hf = HFRunner(BenchSettings(target=target, draft=draft, device=args.device))
+    print(f"device {hf.device}, dtype {hf.target.dtype}", flush=True)
 
     tok = load_tokenizer(target)
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in held_out_prompts(8)]
-    expected = hf_greedy(target, prompts, args.tokens, str(device), dtype)
+    # The reference: transformers' greedy generate, one prompt at a time (no padding).
+    expected = [hf.generate([p], args.tokens, False, 0.0, 0)[0][0] for p in prompts]
+    del hf
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     failures = []
     layouts = {"co-located": {"colocate": True}, "actors": {}, "compiled graph": {"compiled_graph": True}}

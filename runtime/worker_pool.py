@@ -66,10 +66,13 @@ class _RayWorkerCall:
         self._asked = 0.0
         self.channel = CompiledChannel(getattr(actor, self.step_method)) if compiled else None
 
+    @property
+    def _on_channel(self) -> bool:
+        return self.channel is not None and not self.channel.failed
+
     def _execute(self, arg):
-        """A compiled-graph call, or None: use a classic one."""
-        if self.channel is None or self.channel.failed:
-            return None
+        """A compiled-graph call (``_on_channel``), or None: the graph cannot be built,
+        use a classic call."""
         try:
             return self.channel.execute(arg)
         except Exception as e:   # noqa: BLE001 - e.g. its graph closed by a death: ``wait`` sorts it out
@@ -143,7 +146,7 @@ class RayVerify(_RayWorkerCall):
 
     def submit(self, plan, probs):
         data = encode(plan)
-        if self.channel is not None and not self.channel.failed:
+        if self._on_channel:
             import ray
 
             # A draft on classic calls hands over ObjectRefs; a channel carries values.
@@ -162,7 +165,7 @@ class RayPropose(_RayWorkerCall):
 
     def submit(self, plan):
         data = encode(plan)
-        ref = self._execute(data)
+        ref = self._execute(data) if self._on_channel else None
         return ref if ref is not None else self.actor.propose_msg.remote(data)
 
     def wait(self, handle):
