@@ -245,11 +245,11 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
                     run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
                     run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
-                    run.steps += after["num_steps"] - before["num_steps"]
+                    steps = after["num_steps"] - before["num_steps"]
+                    run.steps += steps
                     for key in PHASES.values():
                         run.phase_s[key] = run.phase_s.get(key, 0.0) + after[key] - before[key]
                     if b == 1 and mode == "greedy" and (proposer == "none" or policy == s.policies[0]):
-                        steps = after["num_steps"] - before["num_steps"]
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
                             phase["draft_s"].append((after["draft_s"] - before["draft_s"]) / max(1, calls))
