@@ -65,6 +65,7 @@ class ScheduledStep:
     draft_seqs: list[list[Sequence]] = field(default_factory=list)
     lost_drafts: set[int] = field(default_factory=set)                # draft workers that failed this step
     lost_targets: set[int] = field(default_factory=set)               # target workers that failed this step
+    call_s: float = 0.0                                               # draft + verify calls' wall time
 
 
 class Scheduler:
@@ -314,16 +315,18 @@ class Scheduler:
     def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
         """Feed measured call times to the policy's cost model (only an adaptive policy
         uses one)."""
+        step.call_s = (draft_s or 0.0) + verify_s
         if self.policy.kind != "adaptive":
             return
         plans = [p for p in step.target_plans if p is not None and p.seq_ids]
         fed = sum(sum(p.num_new) for p in plans)
         proposed = sum(sum(p.proposal_lens) for p in plans)
-        self.policy.cost.observe_target(len(step.seqs), fed, proposed, verify_s)
+        longest = max((max(p.proposal_lens, default=0) for p in plans), default=0)
+        self.policy.cost.observe_target(len(step.seqs), fed, proposed, longest, verify_s)
+        ks = [s.step_k for s in step.seqs]
         if draft_s is not None:
             dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
-            ks = [s.step_k for s in step.seqs]
-            self.policy.cost.observe_draft(max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
+            self.policy.cost.observe_draft(len(ks), max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
 
     # -- results -------------------------------------------------------------------
     def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0
@@ -376,6 +379,7 @@ class Scheduler:
         if self.policy.kind == "adaptive":
             fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
             self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds)
+            self.policy.cost.observe_overhead(len(out), seconds - step.call_s)
         self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
         for seq, _ in out:
             if seq.finished:

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
-from scheduler.speculation_policy import AcceptanceEstimate
+from scheduler.acceptance import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):

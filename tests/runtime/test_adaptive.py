@@ -11,7 +11,7 @@ from specray_testing import hf_greedy
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
-from scheduler.speculation_policy import StepCostModel
+from scheduler.step_cost import StepCostModel
 
 K = 4
 
@@ -20,9 +20,10 @@ def cheap_draft_cost() -> StepCostModel:
     """A controlled cost model in which drafting is cheap next to verifying, frozen so the
     test does not depend on this machine's timings."""
     c = StepCostModel()
-    c.target.weights = [2e-3, 1e-5, 2e-5, 2e-5]
-    c.draft.weights = [5e-4, 1e-4, 1e-5, 1e-5]
-    c.observe_target = c.observe_draft = lambda *a: None
+    c.target.set_weights([2e-3, 1e-5, 2e-5, 2e-5, 0.0])
+    c.draft.set_weights([5e-4, 1e-4, 1e-5, 1e-5])
+    c.overhead.set_weights([0.0, 0.0])
+    c.observe_target = c.observe_draft = c.observe_overhead = lambda *a: None
     return c
 
 
@@ -30,8 +31,9 @@ def run_spying(cfg, prompts, max_tokens, cost=None):
     drv = DriverCore(cfg, backend="local")
     if cost is not None:
         drv.scheduler.policy.cost = cost
-        # The measured on/off switch would bring this machine's timings back in: hold it on.
-        drv.scheduler.policy.switch.speculate = lambda num_seqs: True
+        # The measured corrections of the on/off switch would bring this machine's timings
+        # back in: the frozen model alone decides.
+        drv.scheduler.policy.switch.speculate = lambda num_seqs, on, off: on >= off
     ks_per_step: list[list[int]] = []
     orig = drv.scheduler.update
 

@@ -1,0 +1,218 @@
+"""An online model of a step's time, fitted from the runtime's own measured steps::
+
+    T = target(n, fed, sum k_i, max k_i) + [sum k_i > 0] * draft(max k_i, fed, sum k_i) + overhead(n)
+    target   = t0 + t_seq * n + t_fed * fed + t_tok * sum k_i + t_pad * n * max k_i
+    draft    = d0 + d_pass * max k_i + d_fed * fed + d_tok * sum k_i
+    overhead = o0 + o_seq * n          (the driver's own work: scheduling, merging, updating)
+
+The longest proposal sets much of a step's price: the draft runs ``max k_i`` passes, and
+attention pads every sequence's query rows to the longest (``t_pad``). Each term is fitted
+per batch-size bucket (``BucketedFit``): a token's marginal cost is not one number across
+batch sizes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class LinearFit:
+    """Least squares ``y ~ w . x`` over a sliding window, in plain Python (a few features),
+    with every weight >= 0 (step time never shrinks with more work: a negative slope is
+    noise or collinearity) and, when a prior is given, a ridge towards it.
+
+    With ``relative``, each sample weighs ``1 / y^2``: the fit minimises relative errors,
+    so a few slow steps (a batch's prefill takes 40 decode steps' time) cannot drag the
+    prediction for every ordinary step off by their squared size.
+
+    The normal equations are kept as running sums (a sample leaving the window is
+    subtracted), and solved lazily when a prediction needs fresh weights: an observation
+    costs O(features^2) on the step loop, not a pass over the window. The ridge weighs
+    like ``ridge`` samples at each feature's typical size, so it decides only what the
+    data do not."""
+
+    def __init__(self, num_features: int, window: int = 256, prior: list[float] | None = None,
+                 ridge: float = 0.01, relative: bool = False) -> None:
+        self.n = num_features
+        self.relative = relative
+        self.window = window
+        self.samples: deque[tuple[list[float], float]] = deque()
+        self.prior = list(prior) if prior else None
+        self.ridge = ridge if prior else 0.0
+        self._weights = list(prior) if prior else [0.0] * num_features
+        self._xtx = [[0.0] * num_features for _ in range(num_features)]
+        self._xty = [0.0] * num_features
+        self._dirty = False
+
+    def add(self, x: list[float], y: float) -> None:
+        self._accumulate(x, y, 1.0)
+        self.samples.append((x, y))
+        if len(self.samples) > self.window:
+            self._accumulate(*self.samples.popleft(), -1.0)
+        self._dirty = True
+
+    def _accumulate(self, x: list[float], y: float, sign: float) -> None:
+        if self.relative and y > 0:
+            sign /= y * y
+        for i in range(self.n):
+            self._xty[i] += sign * x[i] * y
+            row = self._xtx[i]
+            for j in range(self.n):
+                row[j] += sign * x[i] * x[j]
+
+    @property
+    def weights(self) -> list[float]:
+        if self._dirty and len(self.samples) >= 2 * self.n:
+            self._solve()
+        return self._weights
+
+    @weights.setter
+    def weights(self, value: list[float]) -> None:
+        if len(value) != self.n:
+            raise ValueError(f"expected {self.n} weights, got {len(value)}")
+        self._weights = list(value)
+        self._dirty = False
+
+    def predict(self, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x))
+
+    def _solve(self) -> None:
+        self._dirty = False
+        count = len(self.samples)
+        a = [row[:] for row in self._xtx]
+        b = list(self._xty)
+        for i in range(self.n):
+            # Ridge towards the prior, scaled by the feature's mean square; a tiny one
+            # without a prior, since early features are often collinear.
+            lam = self.ridge * self._xtx[i][i] / count if self.prior else 0.0
+            a[i][i] += lam + 1e-9
+            if self.prior:
+                b[i] += lam * self.prior[i]
+        # Non-negative: drop the most negative weight (pin it at 0) and solve again.
+        free = list(range(self.n))
+        while free:
+            w = _solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if w is None:
+                return
+            worst = min(range(len(free)), key=w.__getitem__)
+            if w[worst] >= 0.0:
+                weights = [0.0] * self.n
+                for i, v in zip(free, w):
+                    weights[i] = v
+                self._weights = weights
+                return
+            del free[worst]
+        self._weights = [0.0] * self.n
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-18:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                for j in range(c, n + 1):
+                    m[r][j] -= f * m[c][j]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, ...: within a bucket a step's cost is close to linear."""
+    return num_seqs.bit_length()
+
+
+class BucketedFit:
+    """One ``LinearFit`` per batch-size bucket. A token's marginal cost is not one number
+    across batch sizes (measured on CPU: about 0.15 ms per verified token at batch 1-8,
+    0.04 ms at 32, as matrix products get more efficient with more rows), so a single
+    global fit is wrong at both ends. A bucket without enough samples of its own predicts
+    with the nearest bucket that has them, and a new bucket's fit starts from (and leans
+    towards) that neighbour's weights instead of the fixed prior."""
+
+    def __init__(self, num_features: int, prior: list[float], window: int = 256) -> None:
+        self.n = num_features
+        self.prior = list(prior)
+        self.window = window
+        self.fits: dict[int, LinearFit] = {}
+
+    def _ready(self, b: int) -> LinearFit | None:
+        fit = self.fits.get(b)
+        return fit if fit is not None and len(fit.samples) >= 2 * self.n else None
+
+    def _nearest(self, b: int) -> LinearFit | None:
+        ready = [near for near in self.fits if self._ready(near) is not None]
+        return self.fits[min(ready, key=lambda near: (abs(near - b), near))] if ready else None
+
+    def add(self, num_seqs: int, x: list[float], y: float) -> None:
+        b = batch_bucket(num_seqs)
+        fit = self.fits.get(b)
+        if fit is None:
+            near = self._nearest(b)
+            prior = near.weights if near is not None else self.prior
+            fit = self.fits[b] = LinearFit(self.n, self.window, prior=prior, relative=True)
+        fit.add(x, y)
+
+    def predict(self, num_seqs: int, x: list[float]) -> float:
+        b = batch_bucket(num_seqs)
+        fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
+        return fit.predict(x) if fit is not None else sum(w * v for w, v in zip(self.prior, x))
+
+    def weights(self, num_seqs: int) -> list[float]:
+        b = batch_bucket(num_seqs)
+        fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
+        return fit.weights if fit is not None else list(self.prior)
+
+    def set_weights(self, weights: list[float]) -> None:
+        """Every batch size predicts with these weights (until observations come in)."""
+        if len(weights) != self.n:
+            raise ValueError(f"expected {self.n} weights, got {len(weights)}")
+        self.prior = list(weights)
+        self.fits.clear()
+
+
+@dataclass
+class StepCostModel:
+    """Online model of a step's time; ``observe_*`` feed it measured seconds. Fed tokens
+    (prefill, catch-up) and proposed tokens are separate features: a prompt's tokens cost
+    differently from a few verified ones, and mixing them would mis-price speculation.
+    The target's ``n * max k_i`` term is the padding of every sequence's query rows to
+    the longest proposal in attention. The driver's own time per step is in the model
+    too: leaving a cost every option pays out of the denominator would make the relative
+    price of speculating look higher than it is."""
+
+    target: BucketedFit = field(default_factory=lambda: BucketedFit(5, prior=[1e-3, 1e-5, 1e-4, 1e-4, 1e-5]))
+    draft: BucketedFit = field(default_factory=lambda: BucketedFit(4, prior=[5e-4, 1e-4, 1e-5, 1e-5]))
+    overhead: BucketedFit = field(default_factory=lambda: BucketedFit(2, prior=[2e-4, 2e-5]))
+
+    @staticmethod
+    def target_features(num_seqs: int, fed: int, proposed: int, max_k: int) -> list[float]:
+        return [1.0, float(num_seqs), float(fed), float(proposed), float(num_seqs * max_k)]
+
+    @staticmethod
+    def draft_features(passes: int, fed: int, proposed: int) -> list[float]:
+        return [1.0, float(passes), float(fed), float(proposed)]
+
+    def observe_target(self, num_seqs: int, fed: int, proposed: int, max_k: int, seconds: float) -> None:
+        self.target.add(num_seqs, self.target_features(num_seqs, fed, proposed, max_k), seconds)
+
+    def observe_draft(self, num_seqs: int, passes: int, fed: int, proposed: int, seconds: float) -> None:
+        self.draft.add(num_seqs, self.draft_features(passes, fed, proposed), seconds)
+
+    def observe_overhead(self, num_seqs: int, seconds: float) -> None:
+        """A step's time outside the worker calls."""
+        if seconds > 0:
+            self.overhead.add(num_seqs, [1.0, float(num_seqs)], seconds)
+
+    def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
+        t = self.target.predict(num_seqs, self.target_features(num_seqs, fed_tokens, sum_k, max_k))
+        t += self.overhead.predict(num_seqs, [1.0, float(num_seqs)])
+        if sum_k:
+            # In steady decoding a drafting sequence feeds the draft about one token.
+            t += self.draft.predict(num_seqs, self.draft_features(max_k, num_seqs, sum_k))
+        return t

@@ -1,0 +1,41 @@
+"""Acceptance estimates and their depth calibration against what was accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.acceptance import AcceptanceEstimate, DepthCalibration
+
+
+def test_acceptance_estimate_counts_a_truncated_run_as_one_rejection():
+    e = AcceptanceEstimate()
+    e.observe(proposed=4, accepted=4, decay=1.0)
+    e.observe(proposed=4, accepted=1, decay=1.0)
+    assert (e.accepted, e.rejected) == (5, 1)
+    assert e.rate(prior=0.5, prior_weight=0.0) == pytest.approx(5 / 6)
+    e.observe(proposed=0, accepted=0, decay=1.0)
+    assert e.steps_without_proposal == 1
+
+
+def test_depth_calibration_learns_that_deep_proposals_beat_the_independent_guess():
+    # A draft whose acceptance climbs with depth (easy stretches stay easy): position 1 is
+    # accepted half the time, and every later one always once its predecessor was.
+    cal = DepthCalibration(decay=1.0, prior_weight=0.0)
+    for i in range(200):
+        cal.observe(rate=0.5, proposed=3, accepted=3 if i % 2 else 0)
+    assert cal.lift(1) == pytest.approx(1.0)
+    assert cal.lift(2) == pytest.approx(0.5 / 0.25)
+    assert cal.lift(3) == pytest.approx(0.5 / 0.125)
+    # Calibrated gains are the realised ones; past the calibrated depth, the last lift.
+    assert cal.gains([0.5], [3]) == [pytest.approx([0.5, 0.5, 0.5])]
+    assert cal.lift(6) == cal.lift(3)
+
+
+def test_depth_gains_stay_probabilities_and_never_rise_with_depth():
+    cal = DepthCalibration(decay=1.0, prior_weight=0.0)
+    cal.predicted, cal.realised = [1.0, 1.0, 1.0], [1.0, 5.0, 0.5]    # lifts 1, 4 (capped), 0.5
+    (row,) = cal.gains([0.9], [3])
+    assert row == pytest.approx([0.9, 0.9, 0.9 ** 3 * 0.5])
+    assert all(a >= b for a, b in zip(row, row[1:])) and max(row) <= 1.0
+    # Nothing observed: the independent model as it is.
+    assert DepthCalibration().gains([0.5, 0.2], [2, 1]) == [[0.5, 0.25], [pytest.approx(0.2)]]

@@ -1,0 +1,130 @@
+"""The measured on/off switch, alone and as the policy's last word."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.acceptance import AcceptanceEstimate
+from scheduler.goodput_switch import GoodputSwitch
+from scheduler.speculation_policy import SpeculationPolicy
+
+
+def drive_switch(sw: GoodputSwitch, n: int, steps: int, on_tps: float, off_tps: float,
+                 model_on: float = 1.0, model_off: float = 1.0) -> list[bool]:
+    """Run ``steps`` decisions at batch ``n`` on a machine where a step emits ``n`` tokens
+    at ``on_tps`` tokens/s with speculation and ``off_tps`` without, while the cost model
+    expects ``model_on`` and ``model_off`` (by default it cannot tell them apart)."""
+    made = []
+    for _ in range(steps):
+        on = sw.speculate(n, model_on, model_off)
+        made.append(on)
+        expected = model_on if on else model_off
+        sw.observe(n, on, n, n / (on_tps if on else off_tps), n, n / expected)
+    return made
+
+
+def test_switch_runs_the_mode_ahead_and_tries_the_other_ever_less_often():
+    sw = GoodputSwitch(explore_every=16, max_explore_every=64)
+    made = drive_switch(sw, 8, 400, on_tps=100.0, off_tps=50.0)
+    trials = [i for i, on in enumerate(made) if not on]
+    assert trials[0] == 16                                               # a tie goes to speculation
+    assert [b - a for a, b in zip(trials, trials[1:])][:3] == [32, 64, 64]   # each confirmation doubles the wait
+    assert sw.correction(8, True) == pytest.approx(100.0) and sw.correction(8, False) == pytest.approx(50.0)
+
+
+def test_switch_follows_the_model_and_drops_a_leader_that_slows_down_at_once():
+    sw = GoodputSwitch(explore_every=16)
+    made = drive_switch(sw, 32, 100, on_tps=900.0, off_tps=700.0, model_on=900.0, model_off=700.0)
+    assert made[:16] == [True] * 16
+    # The draft got worse than the model knows: the running mode's own figure shows it.
+    made = drive_switch(sw, 32, 200, on_tps=500.0, off_tps=700.0, model_on=900.0, model_off=700.0)
+    assert made.index(False) < 10
+    assert 1 <= made[10:].count(True) <= 4
+
+
+def test_switch_finds_a_loser_that_got_better_at_its_next_trial():
+    sw = GoodputSwitch(explore_every=16, max_explore_every=64)
+    drive_switch(sw, 4, 300, on_tps=300.0, off_tps=400.0, model_on=300.0, model_off=400.0)   # off leads
+    made = drive_switch(sw, 4, 200, on_tps=600.0, off_tps=400.0, model_on=300.0, model_off=400.0)
+    # A trial that beat the leader brings the next one back after the base wait, not a
+    # doubled one; no single step flips the mode, a few consistent ones do.
+    switched = "".join("1" if on else "0" for on in made).find("1" * 10)
+    assert 0 <= switched <= 120 and made[switched:].count(False) <= 8
+    trials = [i for i, on in enumerate(made[:switched]) if on]
+    assert len(trials) >= 2 and trials[0] <= 64 and all(b - a == 16 for a, b in zip(trials, trials[1:]))
+
+
+def test_switch_judges_each_batch_by_what_the_model_expects_of_it():
+    sw = GoodputSwitch(explore_every=16)
+    # Hard sequences: speculation yields little, as the model expects; plain decoding wins.
+    made = drive_switch(sw, 1, 60, on_tps=50.0, off_tps=100.0, model_on=50.0, model_off=100.0)
+    assert made.count(True) <= 3
+    # An easy sequence next, at the same batch size: the model expects much of speculation,
+    # and the hard batch's low tokens per second do not count against it.
+    made = drive_switch(sw, 1, 20, on_tps=300.0, off_tps=100.0, model_on=300.0, model_off=100.0)
+    assert made[0] is True and made.count(False) <= 1
+
+
+def test_switch_keeps_batch_sizes_apart():
+    sw = GoodputSwitch(explore_every=16)
+    for _ in range(100):
+        for n, on_tps, off_tps in ((1, 150.0, 100.0), (32, 700.0, 850.0)):
+            on = sw.speculate(n, 1.0, 1.0)
+            sw.observe(n, on, n, n / (on_tps if on else off_tps), n, n)
+    assert sw.speculate(1, 1.0, 1.0) or sw.speculate(1, 1.0, 1.0)             # one of two may explore
+    assert not (sw.speculate(32, 1.0, 1.0) and sw.speculate(32, 1.0, 1.0))
+    assert sw.bucket(1) != sw.bucket(32) and sw.bucket(17) == sw.bucket(31)
+
+
+def test_a_draining_batch_starts_each_bucket_from_its_neighbours_corrections():
+    sw = GoodputSwitch(explore_every=4)
+    drive_switch(sw, 32, 60, on_tps=700.0, off_tps=900.0)           # off measured ahead at 32-63
+    made = drive_switch(sw, 20, 12, on_tps=500.0, off_tps=800.0)    # the batch drained to 16-31
+    assert made[:4] == [False] * 4                                   # no re-measuring of both modes
+    assert made[4] is True and made[5:].count(True) <= 1             # its own trial, on schedule
+    assert (sw.bucket(20), True) in sw._sums                         # which measured this bucket
+    # Far buckets share nothing: batch 1 goes by the model.
+    assert sw.correction(1, True) == sw.correction(1, False) == 1.0
+
+
+def test_a_trial_step_the_switch_never_sees_does_not_keep_it_on_trial():
+    # Steps that also prefill are not observed; a trial that lands on one must still be
+    # a single step, not every step until one is observed.
+    sw = GoodputSwitch(explore_every=16)
+    drive_switch(sw, 8, 40, on_tps=100.0, off_tps=50.0)
+    unobserved = [sw.speculate(8, 1.0, 1.0) for _ in range(64)]
+    assert 1 <= unobserved.count(False) <= 4
+
+
+def test_policy_turns_speculation_off_where_the_switch_measured_it_slower():
+    pol = SpeculationPolicy("adaptive", k_max=4)
+    for _ in range(40):                     # measured: at batch 32 plain decoding wins
+        ks = pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(32)], 32)
+        pol.observe_step(32, 32, sum(ks), 32 * (1 + 0.1 * sum(ks) / 32), 1.0 if sum(ks) else 0.5)
+    decisions = [sum(pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1)] * 32, 32)) > 0
+                 for _ in range(32)]
+    assert decisions.count(True) <= 2
+    # Batch 1 has its own figures: nothing measured there yet, so the cost model decides.
+    assert sum(pol.choose([4], [AcceptanceEstimate(accepted=9, rejected=1)], 1)) > 0
+
+
+def test_only_decode_steps_of_the_chosen_batch_feed_the_switch():
+    pol = SpeculationPolicy("adaptive", k_max=4)
+    good = [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(4)]
+    pol.choose([4] * 4, good, 400)
+    pol.observe_step(4, 400, 8, 12, 0.5)        # a prompt's prefill rode along: not a decode step
+    assert pol.switch._sums == {}
+    pol.choose([4] * 4, good, 4)
+    pol.observe_step(3, 3, 8, 12, 0.5)          # a preemption shrank the batch after the choice
+    assert pol.switch._sums == {}
+    pol.observe_step(4, 4, 8, 12, 0.5)          # no choice behind it
+    assert pol.switch._sums == {}
+    ks = pol.choose([4] * 4, good, 4)
+    pol.observe_step(4, 4, sum(ks), 12, 0.5)
+    ((tokens, seconds, expected_tokens, expected_s, steps),) = pol.switch._sums.values()
+    assert (tokens, seconds, steps) == (12, 0.5, 1)
+    assert expected_tokens > 4 and 0 < expected_s < 0.5
+    static = SpeculationPolicy("static", k_max=4)
+    static.choose([4] * 4, good, 4)
+    static.observe_step(4, 4, 8, 12, 0.5)
+    assert static.switch._sums == {}

@@ -1,0 +1,89 @@
+"""The online step-cost model: a non-negative least-squares fit with a ridge towards its
+prior, one fit per batch-size bucket, and the step time it predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.step_cost import BucketedFit, LinearFit, StepCostModel
+
+
+def test_linear_fit_recovers_a_cost_model():
+    fit = LinearFit(3)
+    for n in range(1, 30):
+        for tokens in (n, 2 * n, 5 * n):
+            fit.add([1.0, n, tokens], 0.002 + 0.0001 * n + 0.00003 * tokens)
+    assert fit.weights == pytest.approx([0.002, 0.0001, 0.00003], rel=1e-6, abs=1e-9)
+
+
+def test_linear_fit_keeps_weights_non_negative_by_refitting_without_them():
+    fit = LinearFit(3)
+    # y falls with the last feature: the best non-negative fit drops it and refits the rest.
+    for n in range(1, 40):
+        fit.add([1.0, n, n % 5], 0.001 + 0.0002 * n - 0.0001 * (n % 5))
+    w = fit.weights
+    assert w[2] == 0.0 and min(w) >= 0.0
+    free = LinearFit(2)
+    for n in range(1, 40):
+        free.add([1.0, n], 0.001 + 0.0002 * n - 0.0001 * (n % 5))
+    assert w[:2] == pytest.approx(free.weights, rel=1e-6)
+
+
+def test_ridge_leaves_directions_the_data_do_not_reach_at_the_prior():
+    # Every sample has feature 2 == feature 1: only their sum is identified. The data fix
+    # the sum; the prior splits it.
+    prior = [1e-3, 1e-4, 3e-4]
+    fit = LinearFit(3, prior=prior, ridge=1.0)
+    for n in range(1, 60):
+        fit.add([1.0, n, n], 2e-3 + 6e-4 * n)
+    w = fit.weights
+    assert w[1] + w[2] == pytest.approx(6e-4, rel=0.05)
+    assert w[2] > w[1] > 0                  # the prior's split survives, the sum moved
+    assert fit.predict([1.0, 10, 10]) == pytest.approx(2e-3 + 6e-3, rel=0.05)
+
+
+def test_relative_fit_is_not_dragged_by_a_few_slow_samples():
+    # Ordinary steps cost 10 ms + 1 ms per unit; three "prefill" steps are 50x slower than
+    # the model says. Relative errors keep the ordinary steps right.
+    plain, relative = LinearFit(2), LinearFit(2, relative=True)
+    for fit in (plain, relative):
+        for i in range(60):
+            x = 1 + i % 4
+            fit.add([1.0, x], 0.010 + 0.001 * x)
+        for _ in range(3):
+            fit.add([1.0, 2.0], 0.6)
+    ordinary = 0.012
+    assert abs(relative.predict([1.0, 2.0]) - ordinary) / ordinary < 0.1
+    assert abs(plain.predict([1.0, 2.0]) - ordinary) / ordinary > 1.0
+
+
+def test_buckets_fit_their_own_batch_sizes_and_new_ones_start_from_a_neighbour():
+    fit = BucketedFit(2, prior=[1e-3, 1e-4])
+    for _ in range(10):
+        for n in (1, 32, 48):
+            # Per sequence: 1 ms at batch 1, 0.2 ms at 32-63 (rows get cheaper in bulk).
+            fit.add(n, [1.0, float(n)], 0.005 + (0.001 if n == 1 else 0.0002) * n)
+    assert fit.predict(1, [1.0, 1.0]) == pytest.approx(0.006, rel=1e-3)
+    assert fit.predict(32, [1.0, 32.0]) == pytest.approx(0.0114, rel=1e-3)
+    # Batch 40 is in bucket 6 (32-63); batch 100's bucket has no samples yet, so the
+    # nearest fitted bucket answers.
+    assert fit.predict(40, [1.0, 40.0]) == pytest.approx(0.005 + 0.0002 * 40, rel=1e-3)
+    assert fit.predict(100, [1.0, 100.0]) == pytest.approx(0.005 + 0.0002 * 100, rel=1e-3)
+    fit.add(100, [1.0, 100.0], 0.03)
+    assert fit.fits[7].prior == pytest.approx(fit.fits[6].weights)
+    with pytest.raises(ValueError, match="weights"):
+        fit.set_weights([1.0])
+
+
+def test_step_time_prices_passes_padding_and_tokens():
+    c = StepCostModel()
+    c.target.set_weights([1e-3, 0.0, 0.0, 1e-5, 1e-4])       # padding dominates tokens
+    c.draft.set_weights([1e-4, 5e-4, 0.0, 0.0])
+    c.overhead.set_weights([2e-4, 0.0])
+    plain = c.step_time(32, 32, 0, 0)
+    assert plain == pytest.approx(1.2e-3)
+    one_long = c.step_time(32, 32, 4, 4)        # one sequence proposes 4, the rest nothing
+    all_long = c.step_time(32, 32, 128, 4)
+    # One long proposal already pays the draft's 4 passes and the padding of every row.
+    assert one_long - plain == pytest.approx(4e-5 + 128 * 1e-4 + 1e-4 + 4 * 5e-4)
+    assert all_long - one_long == pytest.approx(124 * 1e-5)
