@@ -80,7 +80,7 @@ class SpeculationPolicy:
             return list(caps)
         prior = self.overall.rate(self.prior_acceptance)
         rates = [e.rate(prior) for e in estimates]
-        per_level = self._best_per_level(caps, rates, fed_tokens)
+        per_level = self._best_per_level(caps, rates, fed_tokens, estimates)
         on = max((per_level[m][0] for m in per_level if m), default=None)
         if on is not None and self.switch.speculate(n, on, per_level[0][0]):
             chosen = self._explore_levels(per_level)
@@ -94,7 +94,7 @@ class SpeculationPolicy:
                 if chosen[i] == 0 and caps[i] > 0 and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval):
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
-        expected = n + sum(sum(g) for g in self.depth.gains(rates, chosen))
+        expected = n + sum(sum(g) for g in self.depth.gains(rates, chosen, estimates))
         self._expected = (n, expected, self.cost.step_time(n, fed_tokens, sum(chosen), max(chosen, default=0)))
         return chosen
 
@@ -135,8 +135,8 @@ class SpeculationPolicy:
                     best = near[0]
         return per_level[best][1]
 
-    def _best_per_level(self, caps: list[int], rates: list[float], fed_tokens: int
-                        ) -> dict[int, tuple[float, list[int]]]:
+    def _best_per_level(self, caps: list[int], rates: list[float], fed_tokens: int,
+                        estimates: list[AcceptanceEstimate] | None = None) -> dict[int, tuple[float, list[int]]]:
         """Level m (the number of draft passes, max k_i) -> (expected tokens per second,
         k_i) of its best choice; level 0 is plain decoding. With m fixed, step time is
         linear in the proposed tokens, so the best choice takes candidate tokens (j <= m)
@@ -146,7 +146,7 @@ class SpeculationPolicy:
         # Candidate j of sequence i gains about a_i^j expected tokens (calibrated); gains
         # never rise with j, so sorting (ties: shallower first) keeps each sequence's
         # candidates in order.
-        gains = self.depth.gains(rates, caps)
+        gains = self.depth.gains(rates, caps, estimates)
         cands = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1)), key=lambda c: (-c[0], c[1]))
         cost = self.cost
         levels = {0: (n / max(cost.step_time(n, fed_tokens, 0, 0), 1e-12), [0] * n)}

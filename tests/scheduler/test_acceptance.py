@@ -24,8 +24,8 @@ def test_depth_calibration_learns_that_deep_proposals_beat_the_independent_guess
     for i in range(200):
         cal.observe(rate=0.5, proposed=3, accepted=3 if i % 2 else 0)
     assert cal.lift(1) == pytest.approx(1.0)
-    assert cal.lift(2) == pytest.approx(0.5 / 0.25)
-    assert cal.lift(3) == pytest.approx(0.5 / 0.125)
+    assert cal.lift(2) == pytest.approx(2.0)      # reached 100 times, predicted 0.5 each, all accepted
+    assert cal.lift(3) == pytest.approx(2.0)
     # Calibrated gains are the realised ones; past the calibrated depth, the last lift.
     assert cal.gains([0.5], [3]) == [pytest.approx([0.5, 0.5, 0.5])]
     assert cal.lift(6) == cal.lift(3)
@@ -35,7 +35,23 @@ def test_depth_gains_stay_probabilities_and_never_rise_with_depth():
     cal = DepthCalibration(decay=1.0, prior_weight=0.0)
     cal.predicted, cal.realised = [1.0, 1.0, 1.0], [1.0, 5.0, 0.5]    # lifts 1, 4 (capped), 0.5
     (row,) = cal.gains([0.9], [3])
-    assert row == pytest.approx([0.9, 0.9, 0.9 ** 3 * 0.5])
+    assert row == pytest.approx([0.9, 0.9, 0.9 * 0.9 * 0.5])       # conditional rates 0.9, 1, 0.45
     assert all(a >= b for a, b in zip(row, row[1:])) and max(row) <= 1.0
     # Nothing observed: the independent model as it is.
     assert DepthCalibration().gains([0.5, 0.2], [2, 1]) == [[0.5, 0.25], [pytest.approx(0.2)]]
+
+
+def test_a_sequences_own_depth_counts_correct_its_rate():
+    # The first proposal fails half the time, but once it passes the rest always do: the
+    # per-token rate (0.8) overrates the first proposal and underrates the fourth.
+    e = AcceptanceEstimate()
+    for i in range(40):
+        e.observe(proposed=4, accepted=4 if i % 2 else 0, decay=0.9)
+    rate = e.rate(prior=0.5, prior_weight=0.0)
+    assert rate == pytest.approx(0.8, abs=0.02)
+    (plain,) = DepthCalibration().gains([rate], [4])
+    (own,) = DepthCalibration().gains([rate], [4], [e])
+    assert plain == pytest.approx([rate ** j for j in range(1, 5)])
+    # Ten-odd observations against two pseudo-observations of the rate: most of the way.
+    assert own[0] < 0.6 < rate
+    assert own[3] > plain[3] + 0.05 and own[3] == pytest.approx(own[0], abs=0.06)
