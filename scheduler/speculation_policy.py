@@ -116,7 +116,8 @@ class SpeculationPolicy:
             estimate.quiet_limit = self.probe_interval if accepted else min(2 * limit, self.max_probe_interval)
         if proposed:
             # What the choice assumed: this sequence's rate before this outcome.
-            self.depth.observe(estimate.rate(self.overall.rate(self.prior_acceptance)), proposed, accepted)
+            self.depth.observe(estimate.rate(self.overall.rate(self.prior_acceptance)), proposed, accepted,
+                               estimate.last_full)
         estimate.observe(proposed, accepted, self.decay)
         if proposed:
             self.overall.observe(proposed, accepted, self.overall_decay)

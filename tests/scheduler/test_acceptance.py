@@ -33,7 +33,7 @@ def test_depth_calibration_learns_that_deep_proposals_beat_the_independent_guess
 
 def test_depth_gains_stay_probabilities_and_never_rise_with_depth():
     cal = DepthCalibration(decay=1.0, prior_weight=0.0)
-    cal.predicted, cal.realised = [1.0, 1.0, 1.0], [1.0, 5.0, 0.5]    # lifts 1, 4 (capped), 0.5
+    cal.predicted[False], cal.realised[False] = [1.0, 1.0, 1.0], [1.0, 5.0, 0.5]    # lifts 1, 4 (capped), 0.5
     (row,) = cal.gains([0.9], [3])
     assert row == pytest.approx([0.9, 0.9, 0.9 * 0.9 * 0.5])       # conditional rates 0.9, 1, 0.45
     assert all(a >= b for a, b in zip(row, row[1:])) and max(row) <= 1.0
@@ -55,3 +55,21 @@ def test_a_sequences_own_depth_counts_correct_its_rate():
     # Ten-odd observations against two pseudo-observations of the rate: most of the way.
     assert own[0] < 0.6 < rate
     assert own[3] > plain[3] + 0.05 and own[3] == pytest.approx(own[0], abs=0.06)
+
+
+def test_calibration_keeps_steps_after_a_whole_acceptance_apart():
+    # After a fully accepted proposal the next first guess passes 9 times in 10, after a
+    # rejection half the time; the rate says 0.7 either way.
+    cal = DepthCalibration(decay=1.0, prior_weight=0.0)
+    for i in range(100):
+        cal.observe(rate=0.7, proposed=1, accepted=1 if i % 10 else 0, after_full=True)
+        cal.observe(rate=0.7, proposed=1, accepted=i % 2, after_full=False)
+    assert cal.lift(1, after_full=True) == pytest.approx(0.9 / 0.7)
+    assert cal.lift(1, after_full=False) == pytest.approx(0.5 / 0.7)
+    hot, cold = AcceptanceEstimate(last_full=True), AcceptanceEstimate(last_full=False)
+    assert cal.gains([0.7, 0.7], [1, 1], [hot, cold]) == [[pytest.approx(0.9)], [pytest.approx(0.5)]]
+    e = AcceptanceEstimate()
+    e.observe(proposed=3, accepted=3, decay=0.9)
+    assert e.last_full
+    e.observe(proposed=3, accepted=1, decay=0.9)
+    assert not e.last_full
