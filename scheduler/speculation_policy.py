@@ -149,12 +149,11 @@ class SpeculationPolicy:
         # candidates in order.
         gains = self.depth.gains(rates, caps, estimates)
         cands = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1)), key=lambda c: (-c[0], c[1]))
-        cost = self.cost
-        levels = {0: (n / max(cost.step_time(n, fed_tokens, 0, 0), 1e-12), [0] * n)}
+        price = self.cost.price(n, fed_tokens)
+        per_token = price.per_token
+        levels = {0: (n / max(price.plain, 1e-12), [0] * n)}
         for m in range(1, max(caps, default=0) + 1):
-            base = cost.step_time(n, fed_tokens, 1, m)
-            per_token = cost.step_time(n, fed_tokens, 2, m) - base
-            base -= per_token
+            base = price.time(1, m) - per_token
             gain, t, best_rate, best_len, sum_k, deep = float(n), base, 0.0, 0, 0, False
             for g, j, _ in cands:
                 if j > m:

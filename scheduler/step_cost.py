@@ -43,14 +43,14 @@ class LinearFit:
         self._weights = list(prior) if prior else [0.0] * num_features
         self._xtx = [[0.0] * num_features for _ in range(num_features)]
         self._xty = [0.0] * num_features
-        self._dirty = False
+        self._dirty = 0                  # samples added since the last solve
 
     def add(self, x: list[float], y: float) -> None:
         self._accumulate(x, y, 1.0)
         self.samples.append((x, y))
         if len(self.samples) > self.window:
             self._accumulate(*self.samples.popleft(), -1.0)
-        self._dirty = True
+        self._dirty += 1
 
     def _accumulate(self, x: list[float], y: float, sign: float) -> None:
         if self.relative and y > 0:
@@ -63,7 +63,9 @@ class LinearFit:
 
     @property
     def weights(self) -> list[float]:
-        if self._dirty and len(self.samples) >= 2 * self.n:
+        # A full window moves little with one more sample: solve after every 1/32nd of
+        # it, not on every step (each solve is several small eliminations in Python).
+        if self._dirty and len(self.samples) >= 2 * self.n and self._dirty >= len(self.samples) // 32:
             self._solve()
         return self._weights
 
@@ -72,13 +74,13 @@ class LinearFit:
         if len(value) != self.n:
             raise ValueError(f"expected {self.n} weights, got {len(value)}")
         self._weights = list(value)
-        self._dirty = False
+        self._dirty = 0
 
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x))
 
     def _solve(self) -> None:
-        self._dirty = False
+        self._dirty = 0
         count = len(self.samples)
         a = [row[:] for row in self._xtx]
         b = list(self._xty)
@@ -209,10 +211,34 @@ class StepCostModel:
         if seconds > 0:
             self.overhead.add(num_seqs, [1.0, float(num_seqs)], seconds)
 
-    def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
-        t = self.target.predict(num_seqs, self.target_features(num_seqs, fed_tokens, sum_k, max_k))
-        t += self.overhead.predict(num_seqs, [1.0, float(num_seqs)])
-        if sum_k:
+    def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
+        """The model at one batch, as a function of the proposal alone: what a policy
+        weighing many proposals for the same batch evaluates, without a fit lookup each."""
+        n = float(num_seqs)
+        tw, dw, ow = self.target.weights(num_seqs), self.draft.weights(num_seqs), self.overhead.weights(num_seqs)
+        return StepPrice(
+            plain=tw[0] + tw[1] * n + tw[2] * fed_tokens + ow[0] + ow[1] * n,
             # In steady decoding a drafting sequence feeds the draft about one token.
-            t += self.draft.predict(num_seqs, self.draft_features(max_k, num_seqs, sum_k))
-        return t
+            speculating=dw[0] + dw[2] * n,
+            per_pass=dw[1] + tw[4] * n,
+            per_token=tw[3] + dw[3])
+
+    def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
+        return self.price(num_seqs, fed_tokens).time(sum_k, max_k)
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """Predicted seconds of a step of one batch: ``plain`` without speculation; with it,
+    plus ``speculating`` (the draft call), ``per_pass`` for each of the ``max k_i`` draft
+    passes (and the padding they cost verification) and ``per_token`` per proposal."""
+
+    plain: float
+    speculating: float
+    per_pass: float
+    per_token: float
+
+    def time(self, sum_k: int, max_k: int) -> float:
+        if not sum_k:
+            return self.plain
+        return self.plain + self.speculating + self.per_pass * max_k + self.per_token * sum_k
