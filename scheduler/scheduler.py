@@ -182,10 +182,15 @@ class Scheduler:
         fed = sum(s.num_tokens - s.target_computed for s in self.running)
         ks = self.policy.choose(caps, [s.acceptance for s in self.running], fed)
         planned = {s.seq_id: k for s, k in zip(self.running, ks)}
-        if self.policy.kind == "static" or not ks:
+        if self.policy.kind == "static":
             newcomer = self.k
-        else:
+        elif ks:
             newcomer = round(sum(ks) / len(ks))
+        else:
+            # Nothing running to go by: what the model would give a fresh sequence. Not k
+            # regardless: with a draft that has been failing, every newcomer would cost the
+            # draft a prefill for proposals that will be rejected.
+            newcomer = self.policy.fresh_k(self.k)
         if self.config.disable_by_batch_size is not None and len(self.running) >= self.config.disable_by_batch_size:
             newcomer = 0
         return planned, newcomer

@@ -13,7 +13,8 @@ choice has the most expected tokens per second wins, which may be level 0: specu
 off when verifying extra tokens costs more than they return (large batches).
 
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
-``probe_interval`` quiet steps, so it can come back; each failed probe doubles the wait
+``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
+draft's recent rate across sequences already speaks for it); each failed probe doubles the wait
 (up to ``max_probe_interval``), a success resets it. Probes of all quiet sequences happen
 in the same steps: a draft call serves them together instead of one every step.
 
@@ -89,14 +90,24 @@ class SpeculationPolicy:
         self._calls += 1
         if self._calls % self.probe_interval == 0:
             for i in range(n):
-                # Probe sequences that have gone quiet, so a recovering draft is noticed.
+                # Probe sequences that have gone quiet after failing, so a recovering draft
+                # is noticed. Not those that never proposed: the overall rate already
+                # speaks for them, and a first probe would cost the draft a whole prefill.
                 e = estimates[i]
-                if chosen[i] == 0 and caps[i] > 0 and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval):
+                if (chosen[i] == 0 and caps[i] > 0 and (e.accepted or e.rejected)
+                        and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval)):
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
         expected = n + sum(sum(g) for g in self.depth.gains(rates, chosen, estimates))
         self._expected = (n, expected, self.cost.step_time(n, fed_tokens, sum(chosen), max(chosen, default=0)))
         return chosen
+
+    def fresh_k(self, cap: int) -> int:
+        """The k a new sequence would get alone in a decode step: its rate is the draft's
+        recent rate across sequences. No switch or exploration state is touched."""
+        rate = AcceptanceEstimate().rate(self.overall.rate(self.prior_acceptance))
+        per_level = self._best_per_level([cap], [rate], 1)
+        return max(per_level, key=lambda m: per_level[m][0])
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
         """A whole step's outcome, for the on/off switch. Only decode steps count: a step

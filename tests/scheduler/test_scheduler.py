@@ -29,6 +29,7 @@ from typing import Callable
 
 import pytest
 
+from scheduler.acceptance import AcceptanceEstimate
 from scheduler.block_manager import BlockManager
 from scheduler.merge import merge_proposals
 from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
@@ -1621,3 +1622,18 @@ def test_a_draft_worker_that_is_down_gets_no_plan_not_even_frees():
     eng.run()
     assert_matches_reference(eng, ref)
     assert eng.sched.stats.num_draft_worker_failures == 1
+
+
+def test_adaptive_newcomers_into_an_empty_batch_follow_the_drafts_record():
+    # With nothing running, newcomers used to get k whatever the draft had been doing; an
+    # adaptive scheduler now asks its policy what a fresh sequence earns.
+    eng = build(speculation_policy="adaptive")
+    for _ in range(60):
+        eng.sched.policy.observe(AcceptanceEstimate(), proposed=4, accepted=0)
+    add_requests(eng, [(1, 12, 8), (2, 9, 8)])
+    step = eng.sched.schedule()
+    assert [s.step_k for s in step.seqs] == [0, 0]
+    assert all(p is None for p in step.draft_plans)
+    good = build(speculation_policy="adaptive")
+    add_requests(good, [(1, 12, 8)])
+    assert [s.step_k for s in good.sched.schedule().seqs] == [good.sched.policy.fresh_k(4)] != [0]

@@ -55,6 +55,12 @@ def test_quiet_sequences_are_probed_together():
     # Every third call probes every sequence quiet for 3 steps, with one token; never past the cap.
     assert picks == [[0, 0, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 0]]
     assert p.choose([0, 0, 0], [bad, quiet, fresh], fed_tokens=3) == [0, 0, 0]
+    # A sequence that never proposed (the draft was failing everyone when it arrived) is
+    # not probed, however long it has been quiet: its first probe would be a draft prefill.
+    never = AcceptanceEstimate(steps_without_proposal=3)
+    q = SpeculationPolicy("adaptive", 4, probe_interval=3, cost=controlled_cost(t_tok=1e-5))
+    q.overall = est(0, 50)
+    assert [q.choose([4, 4], [never, bad], fed_tokens=2) for _ in range(3)][2] == [0, 1]
 
 
 def test_choice_maximises_goodput_against_brute_force():
@@ -140,3 +146,12 @@ def test_calibrated_depth_gains_make_deeper_proposals_worth_it():
         p.depth.observe(rate=0.8, proposed=4, accepted=4 if i % 5 else 0)
     after = p.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4)
     assert max(after) > max(before)
+
+
+def test_a_fresh_sequence_gets_what_the_drafts_recent_record_earns():
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=1e-5))
+    assert p.fresh_k(4) == 4                       # the prior: drafts are worth it here
+    for _ in range(40):
+        p.observe(AcceptanceEstimate(), proposed=4, accepted=0)
+    assert p.fresh_k(4) == 0                       # the draft has been failing everyone
+    assert p.switch._steps == {} and p._level_choices == 0
