@@ -257,18 +257,23 @@ class Scheduler:
         t_seqs: list[list[Sequence]] = [[] for _ in self.target_pools]
         d_plans: list[StepPlan | None] = [None] * self.num_draft_ranks
         d_seqs: list[list[Sequence]] = [[] for _ in range(self.num_draft_ranks)]
+        # Every plan of a step shares one k (proposals and draft probabilities are [n, k]
+        # grids): the longest proposal this step, not the configured k. A step where
+        # nobody proposes then scores one row per sequence, as plain decoding does,
+        # instead of k + 1.
+        k_step = max((k for _, k in batch), default=0)
         for seq, k in batch:
             seq.step_len = n = seq.num_tokens
             seq.step_k = k
             t = seq.target_rank
             if t_plans[t] is None:
-                t_plans[t] = StepPlan(step_id=sid, k=self.k)
+                t_plans[t] = StepPlan(step_id=sid, k=k_step)
             _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
             t_seqs[t].append(seq)
             if k:
                 d = seq.draft_rank
                 if d_plans[d] is None:
-                    d_plans[d] = StepPlan(step_id=sid, k=self.k)
+                    d_plans[d] = StepPlan(step_id=sid, k=k_step)
                 _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
                 d_seqs[d].append(seq)
         # Pending frees ride with a plan of that worker, or alone when it has no work.
@@ -277,7 +282,7 @@ class Scheduler:
                 if not pending:
                     continue
                 if plans[r] is None:
-                    plans[r] = StepPlan(step_id=sid, k=self.k)
+                    plans[r] = StepPlan(step_id=sid, k=k_step)
                 plans[r].free_seq_ids = pending
                 frees[r] = []
         return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)

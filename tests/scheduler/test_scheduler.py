@@ -268,6 +268,7 @@ class Engine:
                          before_waiting: set[int]) -> None:
         sched = self.sched
         T, D = len(sched.target_pools), sched.num_draft_ranks
+        step_k = max((s.step_k for s in step.seqs), default=0)
         assert len(step.target_plans) == len(step.target_seqs) == T
         assert len(step.draft_plans) == len(step.draft_seqs) == D
         ids = [s.seq_id for s in step.seqs]
@@ -342,7 +343,8 @@ class Engine:
             if not seqs and not frees:
                 assert plan is None, f"target rank {r} got a plan with nothing in it"
                 continue
-            assert plan is not None and plan.step_id == step.step_id and plan.k == sched.k
+            # One k for the whole step: its longest proposal.
+            assert plan is not None and plan.step_id == step.step_id and plan.k == step_k <= sched.k
             assert sorted(plan.free_seq_ids) == sorted(frees), f"target rank {r} frees"
             frees.clear()
             assert plan.seq_ids == [s.seq_id for s in seqs]
@@ -361,7 +363,7 @@ class Engine:
             if not seqs and not frees:
                 assert plan is None, f"draft rank {d} got a plan with nothing in it"
                 continue
-            assert plan is not None and plan.step_id == step.step_id and plan.k == sched.k
+            assert plan is not None and plan.step_id == step.step_id and plan.k == step_k
             assert sorted(plan.free_seq_ids) == sorted(frees), f"draft rank {d} frees"
             frees.clear()
             assert plan.seq_ids == [s.seq_id for s in seqs]
