@@ -25,9 +25,9 @@ are proportional) and would price the levels it never runs from its prior. So ev
 above the best (alternately): a neighbour of the optimum, cheap to run, and enough to
 keep the per-level costs measured.
 
-The last word on the whole batch is measured: ``GoodputSwitch`` keeps the emitted tokens
-per second of recent decode steps with and without speculation, per batch-size bucket,
-runs whichever mode is ahead and tries the other one now and then.
+On or off for the whole batch has a measured last word: ``GoodputSwitch`` scales the
+model's expected goodput of each mode by how far its predictions for that mode have been
+off at this batch size, runs whichever mode is ahead and tries the other one now and then.
 """
 
 from __future__ import annotations

@@ -69,13 +69,6 @@ class LinearFit:
             self._solve()
         return self._weights
 
-    @weights.setter
-    def weights(self, value: list[float]) -> None:
-        if len(value) != self.n:
-            raise ValueError(f"expected {self.n} weights, got {len(value)}")
-        self._weights = list(value)
-        self._dirty = 0
-
     def predict(self, x: list[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x))
 
