@@ -333,9 +333,9 @@ class Scheduler:
         proposed = sum(sum(p.proposal_lens) for p in plans)
         longest = max((max(p.proposal_lens, default=0) for p in plans), default=0)
         self.policy.cost.observe_target(len(step.seqs), fed, proposed, longest, verify_s)
-        ks = [s.step_k for s in step.seqs]
         if draft_s is not None:
             dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
+            ks = [s.step_k for s in step.seqs]
             self.policy.cost.observe_draft(len(ks), max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
 
     # -- results -------------------------------------------------------------------

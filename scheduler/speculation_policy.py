@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from scheduler.acceptance import AcceptanceEstimate, DepthCalibration
 from scheduler.goodput_switch import GoodputSwitch
-from scheduler.step_cost import StepCostModel
+from scheduler.step_cost import StepCostModel, StepPrice
 
 POLICIES = ("static", "adaptive")
 
@@ -80,8 +80,9 @@ class SpeculationPolicy:
         if self.kind == "static":
             return list(caps)
         prior = self.overall.rate(self.prior_acceptance)
-        rates = [e.rate(prior) for e in estimates]
-        per_level = self._best_per_level(caps, rates, fed_tokens, estimates)
+        gains = self.depth.gains([e.rate(prior) for e in estimates], caps, estimates)
+        price = self.cost.price(n, fed_tokens)
+        per_level = self._best_per_level(gains, price)
         on = max((per_level[m][0] for m in per_level if m), default=None)
         if on is not None and self.switch.speculate(n, on, per_level[0][0]):
             chosen = self._explore_levels(per_level)
@@ -98,15 +99,15 @@ class SpeculationPolicy:
                         and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval)):
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
-        expected = n + sum(sum(g) for g in self.depth.gains(rates, chosen, estimates))
-        self._expected = (n, expected, self.cost.step_time(n, fed_tokens, sum(chosen), max(chosen, default=0)))
+        expected = n + sum(sum(g[:k]) for g, k in zip(gains, chosen))
+        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)))
         return chosen
 
     def fresh_k(self, cap: int) -> int:
         """The k a new sequence would get alone in a decode step: its rate is the draft's
         recent rate across sequences. No switch or exploration state is touched."""
         rate = AcceptanceEstimate().rate(self.overall.rate(self.prior_acceptance))
-        per_level = self._best_per_level([cap], [rate], 1)
+        per_level = self._best_per_level(self.depth.gains([rate], [cap]), self.cost.price(1, 1))
         return max(per_level, key=lambda m: per_level[m][0])
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
@@ -147,23 +148,20 @@ class SpeculationPolicy:
                     best = near[0]
         return per_level[best][1]
 
-    def _best_per_level(self, caps: list[int], rates: list[float], fed_tokens: int,
-                        estimates: list[AcceptanceEstimate] | None = None) -> dict[int, tuple[float, list[int]]]:
+    def _best_per_level(self, gains: list[list[float]], price: StepPrice) -> dict[int, tuple[float, list[int]]]:
         """Level m (the number of draft passes, max k_i) -> (expected tokens per second,
-        k_i) of its best choice; level 0 is plain decoding. With m fixed, step time is
-        linear in the proposed tokens, so the best choice takes candidate tokens (j <= m)
-        in order of gain and keeps the best prefix; a level whose best prefix stops short of
-        it (no sequence proposes m tokens) is left out, it is a lower level's choice."""
-        n = len(caps)
-        # Candidate j of sequence i gains about a_i^j expected tokens (calibrated); gains
-        # never rise with j, so sorting (ties: shallower first) keeps each sequence's
-        # candidates in order.
-        gains = self.depth.gains(rates, caps, estimates)
+        k_i) of its best choice; level 0 is plain decoding. ``gains[i][j-1]``: expected
+        tokens from sequence i's j-th proposal (its length is the sequence's cap). With m
+        fixed, step time is linear in the proposed tokens, so the best choice takes
+        candidate tokens (j <= m) in order of gain and keeps the best prefix among those
+        that reach depth m; levels past every cap are absent."""
+        n = len(gains)
+        # Gains never rise with j, so sorting (ties: shallower first) keeps each
+        # sequence's candidates in order.
         cands = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1)), key=lambda c: (-c[0], c[1]))
-        price = self.cost.price(n, fed_tokens)
         per_token = price.per_token
         levels = {0: (n / max(price.plain, 1e-12), [0] * n)}
-        for m in range(1, max(caps, default=0) + 1):
+        for m in range(1, max((len(g) for g in gains), default=0) + 1):
             base = price.time(1, m) - per_token
             gain, t, best_rate, best_len, sum_k, deep = float(n), base, 0.0, 0, 0, False
             for g, j, _ in cands:

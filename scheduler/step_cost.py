@@ -39,7 +39,7 @@ class LinearFit:
         self.window = window
         self.samples: deque[tuple[list[float], float]] = deque()
         self.prior = list(prior) if prior else None
-        self.ridge = ridge if prior else 0.0
+        self.ridge = ridge if prior else 0.0     # nothing to lean towards without a prior
         self._weights = list(prior) if prior else [0.0] * num_features
         self._xtx = [[0.0] * num_features for _ in range(num_features)]
         self._xty = [0.0] * num_features
@@ -80,9 +80,9 @@ class LinearFit:
         for i in range(self.n):
             # Ridge towards the prior, scaled by the feature's mean square; a tiny one
             # without a prior, since early features are often collinear.
-            lam = self.ridge * self._xtx[i][i] / count if self.prior else 0.0
+            lam = self.ridge * self._xtx[i][i] / count
             a[i][i] += lam + 1e-9
-            if self.prior:
+            if lam:
                 b[i] += lam * self.prior[i]
         # Non-negative: drop the most negative weight (pin it at 0) and solve again.
         free = list(range(self.n))
@@ -153,15 +153,13 @@ class BucketedFit:
             fit = self.fits[b] = LinearFit(self.n, self.window, prior=prior, relative=True)
         fit.add(x, y)
 
-    def predict(self, num_seqs: int, x: list[float]) -> float:
-        b = batch_bucket(num_seqs)
-        fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
-        return fit.predict(x) if fit is not None else sum(w * v for w, v in zip(self.prior, x))
-
     def weights(self, num_seqs: int) -> list[float]:
         b = batch_bucket(num_seqs)
         fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
-        return fit.weights if fit is not None else list(self.prior)
+        return fit.weights if fit is not None else self.prior
+
+    def predict(self, num_seqs: int, x: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights(num_seqs), x))
 
     def set_weights(self, weights: list[float]) -> None:
         """Every batch size predicts with these weights (until observations come in)."""
