@@ -1,0 +1,92 @@
+"""Speculation policies side by side on one runtime: the least noisy comparison this
+project has on a shared machine.
+
+    python benchmarks/policy_side_by_side.py [--target DIR --draft DIR | --random-draft]
+                                             [--batch-sizes 1,8,32] [--tokens 64] [--repeats 5]
+
+One in-process driver (workers co-located, no Ray) serves every run; before each run its
+scheduler gets one of several policy objects, each keeping what it has learned across
+its own runs: static k, adaptive, and plain decoding (static with speculation disabled
+at batch 1, so the draft is never called). Runs rotate policy by policy within each
+repeat and batch size, so machine noise hits them alike. Reports median tokens/s and
+the min-max spread per (batch, policy), and each one's ratio to the best other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(MODELS / "tiny-target"))
+    ap.add_argument("--draft", default=str(MODELS / "tiny-draft"))
+    ap.add_argument("--random-draft", action="store_true", help="the draft's architecture with random weights")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    import torch
+
+    from runtime.bench import random_copy
+    from runtime.config import RuntimeConfig
+    from runtime.driver import DriverCore
+    from runtime.stdlib_corpus import held_out_prompts
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.speculation_policy import SpeculationPolicy
+
+    torch.set_num_threads(1)      # as in Ray actors and specray bench
+    draft = random_copy(args.draft, tempfile.mkdtemp(prefix="random-draft-")) if args.random_draft else args.draft
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    drv = DriverCore(RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=args.k, device="cpu",
+                                   dtype="float32", speculation_policy="adaptive",
+                                   max_num_seqs=max(batch_sizes)), backend="local")
+    policies = {"static": SpeculationPolicy("static", args.k), "adaptive": SpeculationPolicy("adaptive", args.k),
+                "none": SpeculationPolicy("static", args.k, disable_by_batch_size=1)}
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+    tokens_per_s: dict[tuple[int, str], list[float]] = {}
+    try:
+        warm = held_out_prompts(2)
+        drv.wait(drv.submit(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * 2).request_ids, timeout=600)
+        for _ in range(args.repeats):
+            for b in batch_sizes:
+                prompts = held_out_prompts(b)
+                for name, policy in policies.items():
+                    drv.scheduler.policy = policy
+                    t0 = time.perf_counter()
+                    outs = drv.wait(drv.submit(prompts, [params] * b).request_ids, timeout=600)
+                    dt = time.perf_counter() - t0
+                    tokens_per_s.setdefault((b, name), []).append(sum(len(o.token_ids) for o in outs) / dt)
+    finally:
+        drv.shutdown()
+
+    rows = []
+    print(f"{'batch':>5}  {'policy':9} {'tokens/s':>9}  {'spread':>11}  vs best other")
+    for b in batch_sizes:
+        medians = {name: statistics.median(tokens_per_s[(b, name)]) for name in policies}
+        for name in policies:
+            v = tokens_per_s[(b, name)]
+            ratio = medians[name] / max(m for other, m in medians.items() if other != name)
+            rows.append({"batch_size": b, "policy": name, "tokens_per_s": medians[name], "min": min(v),
+                         "max": max(v), "vs_best_other": ratio})
+            print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"random_draft": args.random_draft, "tokens": args.tokens,
+                                               "repeats": args.repeats, "runs": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
