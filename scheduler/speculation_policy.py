@@ -3,11 +3,14 @@
 Static: ``k_i = k`` wherever the limits allow (optionally 0 for everyone once the batch
 reaches ``disable_by_batch_size``).
 
-Adaptive (goodput): each sequence keeps a discounted estimate of its own per-token
-acceptance probability ``a_i`` (scheduler.acceptance), so its j-th proposal gains about
-``a_i^j`` expected tokens (calibrated against what deeper proposals actually got
-accepted). The online cost model of step time (scheduler.step_cost) prices a choice of
-``k_i``. For each level ``m = max k_i`` (the draft's passes), candidate tokens
+Adaptive (goodput): each sequence keeps discounted counts of its own proposals; its
+per-token acceptance probability ``a_i`` is those counts shrunk towards the draft's recent
+rate across sequences, as far as sequences have been measured to differ (empirical Bayes,
+scheduler.acceptance.RateSpread: on the built-in pair they differ persistently but
+modestly, and a rate that trusts a sequence's last few steps silences good sequences
+after one unlucky step). Its j-th proposal gains about ``a_i^j`` expected tokens
+(calibrated against what deeper proposals actually got accepted). The online cost model
+of step time (scheduler.step_cost) prices a choice of ``k_i``. For each level ``m = max k_i`` (the draft's passes), candidate tokens
 (j <= m) are taken in order of gain and the best prefix is kept; the level whose best
 choice has the most expected tokens per second wins, which may be level 0: speculation
 off when verifying extra tokens costs more than they return (large batches).
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.acceptance import AcceptanceEstimate, DepthCalibration
+from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 from scheduler.goodput_switch import GoodputSwitch
 from scheduler.step_cost import StepCostModel, StepPrice
 
@@ -47,17 +50,18 @@ class SpeculationPolicy:
     k_max: int = 4
     disable_by_batch_size: int | None = None
     prior_acceptance: float = 0.6
-    decay: float = 0.9               # about the last ten observations count
+    decay: float = 0.98              # a sequence's last fifty-odd steps count
     overall_decay: float = 0.99      # about the last hundred, across sequences
     probe_interval: int = 16
     max_probe_interval: int = 256
-    explore_levels_every: int = 8    # 0: never run a neighbouring level
+    explore_levels_every: int = 16   # 0: never run a neighbouring level
     cost: StepCostModel = field(default_factory=StepCostModel)
     switch: GoodputSwitch = field(default_factory=GoodputSwitch)
     # Every sequence's observations together: a new sequence starts from what the draft
     # has been doing lately rather than from a fixed guess.
     overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     depth: DepthCalibration = field(default_factory=DepthCalibration)
+    spread: RateSpread = field(default_factory=RateSpread)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
     _expected: tuple[int, float, float] | None = None   # (n, tokens, seconds) the model expects of the last choice
@@ -79,8 +83,8 @@ class SpeculationPolicy:
             return [0] * n
         if self.kind == "static":
             return list(caps)
-        prior = self.overall.rate(self.prior_acceptance)
-        gains = self.depth.gains([e.rate(prior) for e in estimates], caps, estimates)
+        self.spread.observe(estimates)
+        gains = self.depth.gains(self._rates(estimates), caps, estimates, self.spread.weight)
         price = self.cost.price(n, fed_tokens)
         per_level = self._best_per_level(gains, price)
         on = max((per_level[m][0] for m in per_level if m), default=None)
@@ -106,8 +110,8 @@ class SpeculationPolicy:
     def fresh_k(self, cap: int) -> int:
         """The k a new sequence would get alone in a decode step: its rate is the draft's
         recent rate across sequences. No switch or exploration state is touched."""
-        rate = AcceptanceEstimate().rate(self.overall.rate(self.prior_acceptance))
-        per_level = self._best_per_level(self.depth.gains([rate], [cap]), self.cost.price(1, 1))
+        per_level = self._best_per_level(self.depth.gains(self._rates([AcceptanceEstimate()]), [cap]),
+                                         self.cost.price(1, 1))
         return max(per_level, key=lambda m: per_level[m][0])
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
@@ -128,11 +132,16 @@ class SpeculationPolicy:
             estimate.quiet_limit = self.probe_interval if accepted else min(2 * limit, self.max_probe_interval)
         if proposed:
             # What the choice assumed: this sequence's rate before this outcome.
-            self.depth.observe(estimate.rate(self.overall.rate(self.prior_acceptance)), proposed, accepted,
-                               estimate.last_full)
+            self.depth.observe(self._rates([estimate])[0], proposed, accepted, estimate.last_full)
         estimate.observe(proposed, accepted, self.decay)
         if proposed:
             self.overall.observe(proposed, accepted, self.overall_decay)
+
+    def _rates(self, estimates: list[AcceptanceEstimate]) -> list[float]:
+        """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
+        recent rate across sequences as far as sequences have been seen to differ."""
+        prior, weight = self.overall.rate(self.prior_acceptance), self.spread.weight
+        return [e.rate(prior, weight) for e in estimates]
 
     def _explore_levels(self, per_level: dict[int, tuple[float, list[int]]]) -> list[int]:
         """The best speculating level's choice, or now and then a neighbouring level's."""

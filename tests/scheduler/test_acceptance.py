@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.acceptance import AcceptanceEstimate, DepthCalibration
+import random
+
+from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 
 
 def test_acceptance_estimate_counts_a_truncated_run_as_one_rejection():
@@ -73,3 +75,45 @@ def test_calibration_keeps_steps_after_a_whole_acceptance_apart():
     assert e.last_full
     e.observe(proposed=3, accepted=1, decay=0.9)
     assert not e.last_full
+
+
+def _population(rates: list[float], steps: int, seed: int = 0) -> list[AcceptanceEstimate]:
+    """Sequences proposing 4 tokens a step, each token accepted with the sequence's rate."""
+    rng = random.Random(seed)
+    out = []
+    for r in rates:
+        e = AcceptanceEstimate()
+        for _ in range(steps):
+            e.observe(4, next((j for j in range(4) if rng.random() > r), 4), decay=1.0)
+        out.append(e)
+    return out
+
+
+def test_rate_spread_leans_on_the_overall_rate_when_sequences_are_alike():
+    alike = RateSpread()
+    for seed in range(20):
+        alike.observe(_population([0.75] * 32, steps=10, seed=seed))
+    # Sequences with one rate: what separates their records is luck.
+    assert alike.weight > 30
+    apart = RateSpread()
+    for seed in range(20):
+        apart.observe(_population([0.2, 0.95] * 16, steps=10, seed=seed))
+    # Two kinds of sequence: each one's own record is most of the truth.
+    assert apart.weight < 3
+
+
+def test_rate_spread_matches_the_spread_it_was_drawn_from():
+    # Rates drawn from a beta distribution with mean 0.7 and weight a + b = 9: the
+    # method of moments should find rho = 1 / (a + b + 1) = 0.1, i.e. weight about 9.
+    rng = random.Random(1)
+    spread = RateSpread(decay=1.0)
+    for seed in range(40):
+        spread.observe(_population([rng.betavariate(6.3, 2.7) for _ in range(32)], steps=8, seed=seed))
+    assert 6 < spread.weight < 13
+
+
+def test_rate_spread_before_any_cross_section():
+    spread = RateSpread()
+    spread.observe(_population([0.5], steps=5))          # batch 1: nothing to compare
+    spread.observe([AcceptanceEstimate(), AcceptanceEstimate()])    # nothing proposed yet
+    assert spread.weight == pytest.approx(spread.prior_weight)
