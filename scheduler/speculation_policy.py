@@ -140,8 +140,8 @@ class SpeculationPolicy:
     def _rates(self, estimates: list[AcceptanceEstimate]) -> list[float]:
         """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
         recent rate across sequences as far as sequences have been seen to differ."""
-        prior, weight = self.overall.rate(self.prior_acceptance), self.spread.weight
-        return [e.rate(prior, weight) for e in estimates]
+        overall = self.overall.rate(self.prior_acceptance)
+        return [self.spread.rate(e, overall) for e in estimates]
 
     def _explore_levels(self, per_level: dict[int, tuple[float, list[int]]]) -> list[int]:
         """The best speculating level's choice, or now and then a neighbouring level's."""

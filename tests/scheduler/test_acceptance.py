@@ -117,3 +117,25 @@ def test_rate_spread_before_any_cross_section():
     spread.observe(_population([0.5], steps=5))          # batch 1: nothing to compare
     spread.observe([AcceptanceEstimate(), AcceptanceEstimate()])    # nothing proposed yet
     assert spread.weight == pytest.approx(spread.prior_weight)
+
+
+def test_a_record_the_bulk_cannot_explain_is_soon_taken_at_its_word():
+    alike = RateSpread()
+    for seed in range(20):
+        alike.observe(_population([0.6] * 32, steps=10, seed=seed))
+    w = alike.weight
+    assert w > 20
+
+    def bulk(a: float, r: float) -> float:             # the beta prior alone
+        return AcceptanceEstimate(accepted=a, rejected=r).rate(0.6, w)
+
+    easy = AcceptanceEstimate(accepted=12, rejected=0)    # twelve proposals, all accepted
+    assert bulk(12, 0) < 0.75 < 0.8 < alike.rate(easy, overall=0.6)
+    hopeless = AcceptanceEstimate(accepted=0, rejected=8)
+    assert alike.rate(hopeless, overall=0.6) < 0.2 < bulk(0, 8)
+    # An ordinary record keeps the bulk's shrinkage.
+    typical = AcceptanceEstimate(accepted=8, rejected=5)
+    assert alike.rate(typical, overall=0.6) == pytest.approx(bulk(8, 5), abs=0.02)
+    # Without the flat share: the beta posterior mean, exactly.
+    alike.outlier_share = 0.0
+    assert alike.rate(easy, overall=0.6) == pytest.approx(bulk(12, 0))
