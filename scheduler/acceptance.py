@@ -22,6 +22,7 @@ class AcceptanceEstimate:
     reached: list[float] = field(default_factory=list)
     hits: list[float] = field(default_factory=list)
     last_full: bool = False          # its last proposal was accepted whole
+    assumed_rate: float | None = None    # the rate the policy's last choice for it assumed
 
     def rate(self, prior: float, prior_weight: float = 1.0) -> float:
         """Accepted per proposal reached, with ``prior_weight`` pseudo-proposals at ``prior``."""
@@ -99,23 +100,27 @@ class RateSpread:
         self._num = self._num * self.decay + s / (p * (1.0 - p)) - (m - 1)
         self._den = self._den * self.decay + den
 
-    def rate(self, estimate: AcceptanceEstimate, overall: float) -> float:
-        """The posterior mean of a sequence's acceptance rate given its counts, under the
-        mixture prior centred on the draft's ``overall`` rate."""
-        a, r = estimate.accepted, estimate.rejected
+    def rates(self, estimates: list[AcceptanceEstimate], overall: float) -> list[float]:
+        """The posterior mean of each sequence's acceptance rate given its counts, under
+        the mixture prior centred on the draft's ``overall`` rate."""
         w = max(self.weight, 0.5)
         mean = min(max(overall, 1e-3), 1.0 - 1e-3)
         a0, b0 = mean * w, (1.0 - mean) * w
-        bulk = (a + a0) / (a + r + w)
-        if a + r == 0 or self.outlier_share <= 0.0:
-            return bulk
+        share = self.outlier_share
         # log of each prior's marginal likelihood of the counts (the binomial coefficient
-        # is common to both and cancels).
-        log_bulk = _log_beta(a + a0, r + b0) - _log_beta(a0, b0)
-        log_flat = _log_beta(a + 1.0, r + 1.0)
-        odds = math.exp(min(50.0, log_flat - log_bulk)) * self.outlier_share / (1.0 - self.outlier_share)
-        flat_share = odds / (1.0 + odds)
-        return (1.0 - flat_share) * bulk + flat_share * (a + 1.0) / (a + r + 2.0)
+        # is common to both and cancels); the flat prior's normaliser B(1, 1) is 1.
+        log_prior = _log_beta(a0, b0) + (math.log(share / (1.0 - share)) if share > 0.0 else 0.0)
+        out = []
+        for e in estimates:
+            a, r = e.accepted, e.rejected
+            bulk = (a + a0) / (a + r + w)
+            if a + r == 0 or share <= 0.0:
+                out.append(bulk)
+                continue
+            log_odds = _log_beta(a + 1.0, r + 1.0) - _log_beta(a + a0, r + b0) + log_prior
+            flat_share = 1.0 / (1.0 + math.exp(-min(50.0, log_odds)))
+            out.append(bulk + flat_share * ((a + 1.0) / (a + r + 2.0) - bulk))
+        return out
 
     @property
     def weight(self) -> float:

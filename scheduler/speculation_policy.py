@@ -84,7 +84,10 @@ class SpeculationPolicy:
         if self.kind == "static":
             return list(caps)
         self.spread.observe(estimates)
-        gains = self.depth.gains(self._rates(estimates), caps, estimates, self.spread.weight)
+        rates = self._rates(estimates)
+        for e, rate in zip(estimates, rates):
+            e.assumed_rate = rate
+        gains = self.depth.gains(rates, caps, estimates, self.spread.weight)
         price = self.cost.price(n, fed_tokens)
         per_level = self._best_per_level(gains, price)
         on = max((per_level[m][0] for m in per_level if m), default=None)
@@ -131,8 +134,12 @@ class SpeculationPolicy:
             limit = estimate.quiet_limit or self.probe_interval
             estimate.quiet_limit = self.probe_interval if accepted else min(2 * limit, self.max_probe_interval)
         if proposed:
-            # What the choice assumed: this sequence's rate before this outcome.
-            self.depth.observe(self._rates([estimate])[0], proposed, accepted, estimate.last_full)
+            # What the choice assumed: this sequence's rate before this outcome (computed
+            # now for a proposal no rate-based choice made: a newcomer's, a static policy's).
+            rate = estimate.assumed_rate
+            self.depth.observe(self._rates([estimate])[0] if rate is None else rate, proposed, accepted,
+                               estimate.last_full)
+        estimate.assumed_rate = None
         estimate.observe(proposed, accepted, self.decay)
         if proposed:
             self.overall.observe(proposed, accepted, self.overall_decay)
@@ -140,8 +147,7 @@ class SpeculationPolicy:
     def _rates(self, estimates: list[AcceptanceEstimate]) -> list[float]:
         """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
         recent rate across sequences as far as sequences have been seen to differ."""
-        overall = self.overall.rate(self.prior_acceptance)
-        return [self.spread.rate(e, overall) for e in estimates]
+        return self.spread.rates(estimates, self.overall.rate(self.prior_acceptance))
 
     def _explore_levels(self, per_level: dict[int, tuple[float, list[int]]]) -> list[int]:
         """The best speculating level's choice, or now and then a neighbouring level's."""

@@ -130,12 +130,12 @@ def test_a_record_the_bulk_cannot_explain_is_soon_taken_at_its_word():
         return AcceptanceEstimate(accepted=a, rejected=r).rate(0.6, w)
 
     easy = AcceptanceEstimate(accepted=12, rejected=0)    # twelve proposals, all accepted
-    assert bulk(12, 0) < 0.75 < 0.8 < alike.rate(easy, overall=0.6)
+    assert bulk(12, 0) < 0.75 < 0.8 < alike.rates([easy], overall=0.6)[0]
     hopeless = AcceptanceEstimate(accepted=0, rejected=8)
-    assert alike.rate(hopeless, overall=0.6) < 0.2 < bulk(0, 8)
+    assert alike.rates([hopeless], overall=0.6)[0] < 0.2 < bulk(0, 8)
     # An ordinary record keeps the bulk's shrinkage.
     typical = AcceptanceEstimate(accepted=8, rejected=5)
-    assert alike.rate(typical, overall=0.6) == pytest.approx(bulk(8, 5), abs=0.02)
+    assert alike.rates([typical], overall=0.6)[0] == pytest.approx(bulk(8, 5), abs=0.02)
     # Without the flat share: the beta posterior mean, exactly.
     alike.outlier_share = 0.0
-    assert alike.rate(easy, overall=0.6) == pytest.approx(bulk(12, 0))
+    assert alike.rates([easy], overall=0.6)[0] == pytest.approx(bulk(12, 0))

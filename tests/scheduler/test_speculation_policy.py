@@ -179,3 +179,18 @@ def test_a_fresh_sequence_gets_what_the_drafts_recent_record_earns():
         p.observe(AcceptanceEstimate(), proposed=4, accepted=0)
     assert p.fresh_k(4) == 0                       # the draft has been failing everyone
     assert p.switch._steps == {} and p._level_choices == 0
+
+
+def test_depth_calibration_is_fed_the_rate_the_choice_assumed():
+    # Observing a batch updates the overall rate sequence by sequence; the calibration
+    # must compare each outcome with what the choice assumed, not with a rate that the
+    # earlier sequences of the same step have already moved.
+    p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=0,
+                          cost=controlled_cost(t_tok=1e-5), overall=est(80, 20))
+    batch = [est(8, 2), est(8, 2)]
+    p.choose([4, 4], batch, fed_tokens=2)
+    assumed = p._rates(batch)                            # as the choice saw them
+    p.observe(batch[0], proposed=4, accepted=0)          # moves the overall rate
+    p.observe(batch[1], proposed=4, accepted=0)
+    assert p.depth.predicted[False][0] == pytest.approx(assumed[0] * p.depth.decay + assumed[1], rel=1e-9)
+    assert all(e.assumed_rate is None for e in batch)
