@@ -191,7 +191,11 @@ class Scheduler:
             # regardless: with a draft that has been failing, every newcomer would cost the
             # draft a prefill for proposals that will be rejected.
             newcomer = self.policy.fresh_k(self.k)
-        if self.config.disable_by_batch_size is not None and len(self.running) >= self.config.disable_by_batch_size:
+        # The rule holds for the batch this step may reach, not the one before admissions:
+        # requests arriving together into an empty batch would otherwise all propose (and
+        # the draft prefill every prompt) in the very step the rule exists to spare.
+        limit = self.policy.disable_by_batch_size
+        if limit is not None and min(len(self.running) + len(self.waiting), self.config.max_num_seqs) >= limit:
             newcomer = 0
         return planned, newcomer
 

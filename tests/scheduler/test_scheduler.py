@@ -1639,3 +1639,22 @@ def test_adaptive_newcomers_into_an_empty_batch_follow_the_drafts_record():
     good = build(speculation_policy="adaptive")
     add_requests(good, [(1, 12, 8)])
     assert [s.step_k for s in good.sched.schedule().seqs] == [good.sched.policy.fresh_k(4)] != [0]
+
+
+def test_disable_by_batch_size_holds_in_the_step_that_admits_the_batch():
+    # Eight requests arriving together into an empty batch make a batch of eight: with the
+    # rule at 4, nobody proposes and the draft is not called (it used to prefill every
+    # prompt, because the rule was checked against the sequences already running: none).
+    eng = build(disable_by_batch_size=4)
+    ref = add_requests(eng, [(i, 10, 6) for i in range(1, 9)])
+    plans = []
+    eng.on_plan = plans.append
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert len(plans[0].seqs) == 8 and all(s.step_k == 0 for s in plans[0].seqs)
+    # The batch never drops below the rule (all finish together): the draft is never called.
+    assert all(p is None for step in plans for p in step.draft_plans)
+    # Below the rule, newcomers propose as before.
+    small = build(disable_by_batch_size=4)
+    add_requests(small, [(1, 10, 6), (2, 10, 6)])
+    assert [s.step_k for s in small.sched.schedule().seqs] == [4, 4]
