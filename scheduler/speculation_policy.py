@@ -28,6 +28,12 @@ are proportional) and would price the levels it never runs from its prior. So ev
 above the best (alternately): a neighbour of the optimum, cheap to run, and enough to
 keep the per-level costs measured.
 
+How levels compare has a measured word too (``LevelCorrection``): acceptance depends on
+the proposal's length in a way no per-position rate sees (the target's free token after a
+wholly accepted proposal lands on different positions for different k), so each level's
+figure is scaled by how its measured goodput has compared with the model's, relative to
+the other levels at that batch size. The level trials above keep the neighbours measured.
+
 On or off for the whole batch has a measured last word: ``GoodputSwitch`` scales the
 model's expected goodput of each mode by how far its predictions for that mode have been
 off at this batch size, runs whichever mode is ahead and tries the other one now and then.
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 
 from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 from scheduler.goodput_switch import GoodputSwitch
+from scheduler.level_correction import LevelCorrection
 from scheduler.step_cost import StepCostModel, StepPrice
 
 POLICIES = ("static", "adaptive")
@@ -62,9 +69,11 @@ class SpeculationPolicy:
     overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     depth: DepthCalibration = field(default_factory=DepthCalibration)
     spread: RateSpread = field(default_factory=RateSpread)
+    levels: LevelCorrection = field(default_factory=LevelCorrection)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
-    _expected: tuple[int, float, float] | None = None   # (n, tokens, seconds) the model expects of the last choice
+    # (n, tokens, seconds, level) the model expects of the last choice
+    _expected: tuple[int, float, float, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -90,11 +99,16 @@ class SpeculationPolicy:
         gains = self.depth.gains(rates, caps, estimates, self.spread.weight)
         price = self.cost.price(n, fed_tokens)
         per_level = self._best_per_level(gains, price)
-        on = max((per_level[m][0] for m in per_level if m), default=None)
-        if on is not None and self.switch.speculate(n, on, per_level[0][0]):
-            chosen = self._explore_levels(per_level)
-        else:
-            chosen = [0] * n
+        speculating = [m for m in per_level if m]
+        level = 0
+        if speculating:
+            # Levels ranked by the model's figure as measured to hold up; the switch gets
+            # the model's own figure for the level that would run.
+            factors = self.levels.factors(n, speculating)
+            best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
+            if self.switch.speculate(n, per_level[best][0], per_level[0][0]):
+                level = self._explore_levels(best, per_level)
+        chosen = list(per_level[level][1])
         self._calls += 1
         if self._calls % self.probe_interval == 0:
             for i in range(n):
@@ -107,7 +121,7 @@ class SpeculationPolicy:
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
         expected = n + sum(sum(g[:k]) for g, k in zip(gains, chosen))
-        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)))
+        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)), level)
         return chosen
 
     def fresh_k(self, cap: int) -> int:
@@ -115,10 +129,12 @@ class SpeculationPolicy:
         recent rate across sequences. No switch or exploration state is touched."""
         per_level = self._best_per_level(self.depth.gains(self._rates([AcceptanceEstimate()]), [cap]),
                                          self.cost.price(1, 1))
-        return max(per_level, key=lambda m: per_level[m][0])
+        factors = self.levels.factors(1, [m for m in per_level if m])
+        return max(per_level, key=lambda m: per_level[m][0] * factors.get(m, 1.0))
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
-        """A whole step's outcome, for the on/off switch. Only decode steps count: a step
+        """A whole step's outcome, for the on/off switch and the level correction (which
+        counts only steps that ran a level the policy chose). Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
         speculation and would make whichever mode it ran in look slow. So does a step
         whose batch is not the one the policy chose for (a preemption shrank it)."""
@@ -126,6 +142,8 @@ class SpeculationPolicy:
         if (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0
                 and expected is not None and expected[0] == num_seqs):
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1], expected[2])
+            if proposed:
+                self.levels.observe(num_seqs, expected[3], emitted, seconds, expected[1], expected[2])
 
     def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one."""
@@ -149,9 +167,8 @@ class SpeculationPolicy:
         recent rate across sequences as far as sequences have been seen to differ."""
         return self.spread.rates(estimates, self.overall.rate(self.prior_acceptance))
 
-    def _explore_levels(self, per_level: dict[int, tuple[float, list[int]]]) -> list[int]:
-        """The best speculating level's choice, or now and then a neighbouring level's."""
-        best = max((m for m in per_level if m), key=lambda m: per_level[m][0])
+    def _explore_levels(self, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
+        """The best speculating level, or now and then a neighbouring one."""
         if self.explore_levels_every:
             self._level_choices += 1
             if self._level_choices % self.explore_levels_every == 0:
@@ -161,7 +178,7 @@ class SpeculationPolicy:
                 near = [m for m in ((best + 1, best - 1) if up else (best - 1, best + 1)) if m > 0 and m in per_level]
                 if near:
                     best = near[0]
-        return per_level[best][1]
+        return best
 
     def _best_per_level(self, gains: list[list[float]], price: StepPrice) -> dict[int, tuple[float, list[int]]]:
         """Level m (the number of draft passes, max k_i) -> (expected tokens per second,

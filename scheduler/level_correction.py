@@ -1,0 +1,62 @@
+"""How far the cost model's figure for each speculation level has been off, measured.
+
+The model values the j-th proposal as if acceptance at each position did not depend on
+how long the proposal is. It does: when every proposal is accepted the target adds its
+own next token for free, so which positions a draft must guess depends on k. On the
+bench's batch-1 prompt the positions the draft gets wrong fall where k = 4 puts that
+free token: k = 4 emits 4.0 tokens per step, k = 3 emits 3.0 and k = 2 2.3, while the
+model, which sees only per-position rates, rates levels 2-4 within a few percent of each
+other. No per-position estimate can learn that; a measurement per level can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.step_cost import batch_bucket
+
+
+@dataclass
+class LevelCorrection:
+    """Per batch-size bucket and level ``m`` (the step's longest proposal), discounted
+    sums of what decode steps at that level emitted and took, and of what the model
+    predicted for them. A level's ratio, measured over predicted goodput, divided by the
+    bucket's ratio over all levels, scales the model's figure for that level: only how
+    levels compare is corrected here (on against off is ``GoodputSwitch``'s).
+
+    Sums decay per observation of their own level, so a level that runs only as a
+    neighbour trial (one step in 16) keeps its last few measurements. A level with fewer
+    than ``min_samples`` keeps the model's figure, and factors stay within ``limits``: a
+    few noisy steps must not bury a level the trials would no longer revisit."""
+
+    decay: float = 0.8               # about a level's last five steps
+    min_samples: int = 2
+    limits: tuple[float, float] = (0.67, 1.5)
+    # [tokens, seconds, predicted tokens, predicted seconds, steps] per (bucket, level)
+    _sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def observe(self, num_seqs: int, level: int, tokens: int, seconds: float,
+                predicted_tokens: float, predicted_seconds: float) -> None:
+        if level <= 0 or min(tokens, seconds, predicted_tokens, predicted_seconds) <= 0:
+            return
+        s = self._sums.setdefault((batch_bucket(num_seqs), level), [0.0, 0.0, 0.0, 0.0, 0])
+        for i, v in enumerate((tokens, seconds, predicted_tokens, predicted_seconds)):
+            s[i] = s[i] * self.decay + v
+        s[4] += 1
+
+    def factors(self, num_seqs: int, levels: list[int]) -> dict[int, float]:
+        """Level -> factor for the model's goodput figure at this batch size (1 for a level
+        not yet measured enough)."""
+        b = batch_bucket(num_seqs)
+        ratios = {}
+        for m in levels:
+            s = self._sums.get((b, m))
+            if s and s[4] >= self.min_samples:
+                ratios[m] = (s[0] / s[1]) / (s[2] / s[3])
+        if len(ratios) < 2:
+            return {m: 1.0 for m in levels}
+        # Relative to the measured levels' typical ratio, weighted by how often each ran.
+        weight = {m: self._sums[(b, m)][4] for m in ratios}
+        mean = sum(ratios[m] * weight[m] for m in ratios) / sum(weight.values())
+        lo, hi = self.limits
+        return {m: min(hi, max(lo, ratios[m] / mean)) if m in ratios else 1.0 for m in levels}

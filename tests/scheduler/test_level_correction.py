@@ -1,0 +1,80 @@
+"""Measured corrections of the cost model's figure per speculation level."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.acceptance import AcceptanceEstimate
+from scheduler.level_correction import LevelCorrection
+from scheduler.speculation_policy import SpeculationPolicy
+from scheduler.step_cost import StepCostModel
+
+
+def test_levels_keep_the_models_figure_until_two_are_measured():
+    c = LevelCorrection()
+    c.observe(4, level=3, tokens=20, seconds=0.01, predicted_tokens=10, predicted_seconds=0.01)
+    c.observe(4, level=3, tokens=20, seconds=0.01, predicted_tokens=10, predicted_seconds=0.01)
+    assert c.factors(4, [1, 2, 3]) == {1: 1.0, 2: 1.0, 3: 1.0}
+    c.observe(4, level=2, tokens=10, seconds=0.01, predicted_tokens=10, predicted_seconds=0.01)
+    assert c.factors(4, [2, 3]) == {2: 1.0, 3: 1.0}          # one sample is not enough
+    # Level 0 (plain decoding) and empty steps are not a level's business.
+    c.observe(4, level=0, tokens=10, seconds=0.01, predicted_tokens=5, predicted_seconds=0.01)
+    c.observe(4, level=2, tokens=0, seconds=0.01, predicted_tokens=5, predicted_seconds=0.01)
+    assert (4 .bit_length(), 0) not in c._sums
+
+
+def test_a_level_that_beats_its_prediction_is_ranked_up_relative_to_the_others():
+    c = LevelCorrection(decay=1.0)
+    for _ in range(6):       # level 4 runs mostly and delivers 1.2x the model's goodput
+        c.observe(2, level=4, tokens=12, seconds=0.010, predicted_tokens=10, predicted_seconds=0.010)
+    for _ in range(2):       # level 3, a neighbour trial now and then, 0.9x
+        c.observe(2, level=3, tokens=9, seconds=0.010, predicted_tokens=10, predicted_seconds=0.010)
+    f = c.factors(2, [2, 3, 4])
+    mean = (6 * 1.2 + 2 * 0.9) / 8
+    assert f[4] == pytest.approx(1.2 / mean) and f[3] == pytest.approx(0.9 / mean)
+    assert f[2] == 1.0                                        # never measured
+    # Another batch-size bucket knows nothing of it; extreme ratios are clamped.
+    assert c.factors(32, [3, 4]) == {3: 1.0, 4: 1.0}
+    for _ in range(4):
+        c.observe(2, level=2, tokens=1, seconds=0.010, predicted_tokens=10, predicted_seconds=0.010)
+    assert c.factors(2, [2, 3, 4])[2] == c.limits[0]
+
+
+def _cost() -> StepCostModel:
+    """Target: 1 ms + 10 us per token scored; draft: 0.1 ms + 0.5 ms per pass + 10 us per token."""
+    c = StepCostModel()
+    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 0.0])
+    c.draft.set_weights([1e-4, 5e-4, 1e-5, 1e-5])
+    c.overhead.set_weights([0.0, 0.0])
+    return c
+
+
+def _run(policy: SpeculationPolicy, steps: int, lucky_level: int) -> list[int]:
+    """Decode steps of 4 sequences that take what the model predicts and emit what it
+    expects, except at ``lucky_level``, where every proposal is accepted."""
+    batch = [AcceptanceEstimate(accepted=8, rejected=2) for _ in range(4)]
+    levels = []
+    for _ in range(steps):
+        ks = policy.choose([4] * 4, batch, fed_tokens=4)
+        n, tokens, seconds, level = policy._expected
+        emitted = 4 + sum(ks) if max(ks) == lucky_level else round(tokens)
+        policy.observe_step(4, 4, sum(ks), emitted, seconds)
+        levels.append(max(ks))
+    return levels
+
+
+def test_the_policy_moves_to_a_level_that_measures_better_than_the_model_thinks():
+    # The model rates level 2 best for these sequences (see the level-trial test in
+    # test_speculation_policy); level 3 is tried every 4th step and, on this workload,
+    # always has all its proposals accepted.
+    def policy(**kw) -> SpeculationPolicy:
+        p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4, cost=_cost(),
+                              overall=AcceptanceEstimate(accepted=80, rejected=20), **kw)
+        p.switch.explore_every = 10**9
+        return p
+
+    blind = policy(levels=LevelCorrection(min_samples=10**9))
+    assert _run(blind, 40, lucky_level=3)[-8:] == [2, 2, 2, 1, 2, 2, 2, 3]
+    seeing = policy()
+    late = _run(seeing, 40, lucky_level=3)[-8:]
+    assert late.count(3) >= 6                      # level 3 now runs, its neighbours as trials
