@@ -64,8 +64,9 @@ class LinearFit:
     @property
     def weights(self) -> list[float]:
         # A full window moves little with one more sample: solve after every 1/32nd of
-        # it, not on every step (each solve is several small eliminations in Python).
-        if self._dirty and len(self.samples) >= 2 * self.n and self._dirty >= len(self.samples) // 32:
+        # it (and at least every 4 samples), not on every step (each solve is several
+        # small eliminations in Python: early on they were half of choose() at batch 1).
+        if self._dirty and len(self.samples) >= 2 * self.n and self._dirty >= max(4, len(self.samples) // 32):
             self._solve()
         return self._weights
 

@@ -87,3 +87,17 @@ def test_step_time_prices_passes_padding_and_tokens():
     # One long proposal already pays the draft's 4 passes and the padding of every row.
     assert one_long - plain == pytest.approx(4e-5 + 128 * 1e-4 + 1e-4 + 4 * 5e-4)
     assert all_long - one_long == pytest.approx(124 * 1e-5)
+
+
+def test_the_fit_is_solved_lazily_but_never_more_than_a_few_samples_stale():
+    fit = LinearFit(2)
+    for n in range(1, 11):
+        fit.add([1.0, n], 0.001 + 0.0001 * n)
+    assert fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
+    # The cost doubles. Three more samples leave the solved weights as they were (a solve
+    # per step was half of choose()'s time at batch 1); the fourth brings a new solve.
+    for n in range(11, 14):
+        fit.add([1.0, n], 0.002 + 0.0002 * n)
+    assert fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
+    fit.add([1.0, 14], 0.002 + 0.0002 * 14)
+    assert fit.weights[1] > 0.0001
