@@ -10,10 +10,11 @@ scheduler.acceptance.RateSpread: on the built-in pair they differ persistently b
 modestly, and a rate that trusts a sequence's last few steps silences good sequences
 after one unlucky step). Its j-th proposal gains about ``a_i^j`` expected tokens
 (calibrated against what deeper proposals actually got accepted). The online cost model
-of step time (scheduler.step_cost) prices a choice of ``k_i``. For each level ``m = max k_i`` (the draft's passes), candidate tokens
-(j <= m) are taken in order of gain and the best prefix is kept; the level whose best
-choice has the most expected tokens per second wins, which may be level 0: speculation
-off when verifying extra tokens costs more than they return (large batches).
+of step time (scheduler.step_cost) prices a choice of ``k_i``. For each level
+``m = max k_i`` (the draft's passes), candidate tokens (j <= m) are taken in order of
+gain and the best prefix is kept; the level whose best choice has the most expected
+tokens per second wins, which may be level 0: speculation off when verifying extra
+tokens costs more than they return (large batches).
 
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
