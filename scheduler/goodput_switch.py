@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.outcome_sums import OutcomeSums
 from scheduler.step_cost import batch_bucket
 
 
@@ -34,12 +35,14 @@ class GoodputSwitch:
     max_explore_every: int = 256
     decay: float = 0.9               # about the last ten steps of the running mode count
     min_samples: int = 3
-    # [tokens, seconds, predicted tokens, predicted seconds, steps] per (bucket, speculated)
-    _sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    _sums: OutcomeSums = field(init=False)      # per (bucket, speculated)
     _steps: dict[int, int] = field(default_factory=dict)
     _next_trial: dict[int, int] = field(default_factory=dict)
     _wait: dict[int, int] = field(default_factory=dict)
     _trial: dict[int, float] = field(default_factory=dict)   # bucket -> the leader's figure at a trial
+
+    def __post_init__(self) -> None:
+        self._sums = OutcomeSums(self.decay)
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -51,9 +54,9 @@ class GoodputSwitch:
         what its neighbour learned); 1 while nothing close is known."""
         b = self.bucket(num_seqs)
         for near in (b, b - 1, b + 1):
-            s = self._sums.get((near, speculate))
-            if s and s[4] >= self.min_samples and min(s[:4]) > 0:
-                return (s[0] / s[1]) / (s[2] / s[3])
+            ratio = self._sums.ratio((near, speculate), self.min_samples)
+            if ratio is not None:
+                return ratio
         return 1.0
 
     def goodput(self, num_seqs: int, speculate: bool, predicted: float) -> float:
@@ -85,7 +88,4 @@ class GoodputSwitch:
             wait = self.explore_every if tokens / seconds > lead else min(2 * wait, self.max_explore_every)
             self._wait[b] = wait
             self._next_trial[b] = self._steps.get(b, 0) + wait
-        s = self._sums.setdefault((b, speculated), [0.0, 0.0, 0.0, 0.0, 0])
-        for i, v in enumerate((tokens, seconds, predicted_tokens, predicted_seconds)):
-            s[i] = s[i] * self.decay + v
-        s[4] += 1
+        self._sums.add((b, speculated), tokens, seconds, predicted_tokens, predicted_seconds)

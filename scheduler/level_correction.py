@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.outcome_sums import OutcomeSums
 from scheduler.step_cost import batch_bucket
 
 
@@ -32,31 +33,26 @@ class LevelCorrection:
     decay: float = 0.8               # about a level's last five steps
     min_samples: int = 2
     limits: tuple[float, float] = (0.67, 1.5)
-    # [tokens, seconds, predicted tokens, predicted seconds, steps] per (bucket, level)
-    _sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    _sums: OutcomeSums = field(init=False)      # per (bucket, level)
+
+    def __post_init__(self) -> None:
+        self._sums = OutcomeSums(self.decay)
 
     def observe(self, num_seqs: int, level: int, tokens: int, seconds: float,
                 predicted_tokens: float, predicted_seconds: float) -> None:
         if level <= 0 or min(tokens, seconds, predicted_tokens, predicted_seconds) <= 0:
             return
-        s = self._sums.setdefault((batch_bucket(num_seqs), level), [0.0, 0.0, 0.0, 0.0, 0])
-        for i, v in enumerate((tokens, seconds, predicted_tokens, predicted_seconds)):
-            s[i] = s[i] * self.decay + v
-        s[4] += 1
+        self._sums.add((batch_bucket(num_seqs), level), tokens, seconds, predicted_tokens, predicted_seconds)
 
     def factors(self, num_seqs: int, levels: list[int]) -> dict[int, float]:
         """Level -> factor for the model's goodput figure at this batch size (1 for a level
         not yet measured enough)."""
         b = batch_bucket(num_seqs)
-        ratios = {}
-        for m in levels:
-            s = self._sums.get((b, m))
-            if s and s[4] >= self.min_samples:
-                ratios[m] = (s[0] / s[1]) / (s[2] / s[3])
+        ratios = {m: r for m in levels if (r := self._sums.ratio((b, m), self.min_samples)) is not None}
         if len(ratios) < 2:
             return {m: 1.0 for m in levels}
         # Relative to the measured levels' typical ratio, weighted by how often each ran.
-        weight = {m: self._sums[(b, m)][4] for m in ratios}
+        weight = {m: self._sums.steps((b, m)) for m in ratios}
         mean = sum(ratios[m] * weight[m] for m in ratios) / sum(weight.values())
         lo, hi = self.limits
         return {m: min(hi, max(lo, ratios[m] / mean)) if m in ratios else 1.0 for m in levels}

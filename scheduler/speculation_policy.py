@@ -152,9 +152,10 @@ class SpeculationPolicy:
             # This was a probe: back off after a failure, come back fully after a success.
             limit = estimate.quiet_limit or self.probe_interval
             estimate.quiet_limit = self.probe_interval if accepted else min(2 * limit, self.max_probe_interval)
-        if proposed:
+        if proposed and self.kind == "adaptive":
             # What the choice assumed: this sequence's rate before this outcome (computed
-            # now for a proposal no rate-based choice made: a newcomer's, a static policy's).
+            # now for a proposal no rate-based choice made: a newcomer's). A static policy
+            # prices nothing, so it keeps no calibration: none of this on its step loop.
             rate = estimate.assumed_rate
             self.depth.observe(self._rates([estimate])[0] if rate is None else rate, proposed, accepted,
                                estimate.last_full)
