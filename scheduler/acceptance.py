@@ -81,6 +81,7 @@ class RateSpread:
     # Before any cross-section: as if sequences were moderately alike (weight 15).
     prior_weight: float = 15.0
     outlier_share: float = 0.1
+    observations: int = 0            # cross-sections counted so far
     _num: float = 0.0
     _den: float = 0.0
 
@@ -99,6 +100,7 @@ class RateSpread:
             return
         self._num = self._num * self.decay + s / (p * (1.0 - p)) - (m - 1)
         self._den = self._den * self.decay + den
+        self.observations += 1
 
     def rates(self, estimates: list[AcceptanceEstimate], overall: float) -> list[float]:
         """The posterior mean of each sequence's acceptance rate given its counts, under
@@ -165,8 +167,10 @@ class DepthCalibration:
     # Per state of the sequence's previous proposal (accepted whole or not), per depth.
     predicted: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
     realised: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
+    observations: int = 0
 
     def observe(self, rate: float, proposed: int, accepted: int, after_full: bool = False) -> None:
+        self.observations += 1
         predicted, realised = self.predicted[after_full], self.realised[after_full]
         reached = min(proposed, accepted + 1)
         for j in range(len(predicted), reached):

@@ -33,6 +33,7 @@ class LevelCorrection:
     decay: float = 0.8               # about a level's last five steps
     min_samples: int = 2
     limits: tuple[float, float] = (0.67, 1.5)
+    observations: int = 0
     _sums: OutcomeSums = field(init=False)      # per (bucket, level)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,7 @@ class LevelCorrection:
         if level <= 0 or min(tokens, seconds, predicted_tokens, predicted_seconds) <= 0:
             return
         self._sums.add((batch_bucket(num_seqs), level), tokens, seconds, predicted_tokens, predicted_seconds)
+        self.observations += 1
 
     def factors(self, num_seqs: int, levels: list[int]) -> dict[int, float]:
         """Level -> factor for the model's goodput figure at this batch size (1 for a level

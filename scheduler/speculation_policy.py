@@ -75,6 +75,10 @@ class SpeculationPolicy:
     _level_choices: int = 0          # speculating choices, for level exploration
     # (n, tokens, seconds, level) the model expects of the last choice
     _expected: tuple[int, float, float, int] | None = None
+    # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
+    # (price, per_level, best).
+    _gains: tuple | None = None
+    _levels: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -93,22 +97,37 @@ class SpeculationPolicy:
             return [0] * n
         if self.kind == "static":
             return list(caps)
-        self.spread.observe(estimates)
-        rates = self._rates(estimates)
+        # What each sequence's proposals are worth changes only when somebody's outcome
+        # comes in, and the price of a step only when the cost model re-solves: with
+        # speculation off, most steps see neither, and the policy's own time is then all
+        # it costs over plain decoding.
+        state = self._valuation_inputs(caps, estimates)
+        if self._gains is None or self._gains[0] != (state, self.spread.observations):
+            # The spread measures each state of the batch once: counting an unchanged
+            # cross-section again every quiet step would only overweight it.
+            self.spread.observe(estimates)
+            rates = self._rates(estimates)
+            gains = self.depth.gains(rates, caps, estimates, self.spread.weight)
+            self._gains = ((state, self.spread.observations), rates, gains)
+            self._levels = None
+        rates, gains = self._gains[1:]
+        price = self.cost.price(n, fed_tokens)
+        if self._levels is None or self._levels[0] != price:
+            per_level = self._best_per_level(gains, price)
+            speculating = [m for m in per_level if m]
+            best = 0
+            if speculating:
+                # Levels ranked by the model's figure as measured to hold up; the switch
+                # gets the model's own figure for the level that would run.
+                factors = self.levels.factors(n, speculating)
+                best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
+            self._levels = (price, per_level, best)
+        per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
-        gains = self.depth.gains(rates, caps, estimates, self.spread.weight)
-        price = self.cost.price(n, fed_tokens)
-        per_level = self._best_per_level(gains, price)
-        speculating = [m for m in per_level if m]
         level = 0
-        if speculating:
-            # Levels ranked by the model's figure as measured to hold up; the switch gets
-            # the model's own figure for the level that would run.
-            factors = self.levels.factors(n, speculating)
-            best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
-            if self.switch.speculate(n, per_level[best][0], per_level[0][0]):
-                level = self._explore_levels(best, per_level)
+        if best and self.switch.speculate(n, per_level[best][0], per_level[0][0]):
+            level = self._explore_levels(best, per_level)
         chosen = list(per_level[level][1])
         self._calls += 1
         if self._calls % self.probe_interval == 0:
@@ -163,6 +182,13 @@ class SpeculationPolicy:
         estimate.observe(proposed, accepted, self.decay)
         if proposed:
             self.overall.observe(proposed, accepted, self.overall_decay)
+
+    def _valuation_inputs(self, caps: list[int], estimates: list[AcceptanceEstimate]) -> tuple:
+        """What the proposals' values and the levels' ranking read besides the price,
+        compared by value: a change made behind the policy's back counts as much as an
+        observation."""
+        return (tuple(caps), self.overall.rate(self.prior_acceptance), self.depth.observations,
+                self.levels.observations, [(e.accepted, e.rejected, e.last_full) for e in estimates])
 
     def _rates(self, estimates: list[AcceptanceEstimate]) -> list[float]:
         """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
