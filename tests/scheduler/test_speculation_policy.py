@@ -194,3 +194,34 @@ def test_depth_calibration_is_fed_the_rate_the_choice_assumed():
     p.observe(batch[1], proposed=4, accepted=0)
     assert p.depth.predicted[False][0] == pytest.approx(assumed[0] * p.depth.decay + assumed[1], rel=1e-9)
     assert all(e.assumed_rate is None for e in batch)
+
+
+def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
+    # A hopeless draft: speculation stays off, nobody proposes, and nothing the valuation
+    # reads moves, so the gains are computed once; the batch's cross-section is counted
+    # once too, not again on every quiet step.
+    p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, cost=controlled_cost(t_tok=5e-5))
+    p.switch.explore_every = 10**9
+    bad = [est(0, 40), est(1, 40)]
+    calls = []
+    gains = p.depth.gains
+    monkeypatch.setattr(p.depth, "gains", lambda *a, **k: calls.append(1) or gains(*a, **k))
+    for _ in range(10):
+        assert p.choose([4, 4], bad, fed_tokens=2) == [0, 0]
+        for e in bad:
+            p.observe(e, proposed=0, accepted=0)
+    assert len(calls) == 1 and p.spread.observations == 1
+    # An outcome, a changed cap, a new price or a calibration change each count.
+    p.observe(bad[0], proposed=1, accepted=0)
+    p.choose([4, 4], bad, fed_tokens=2)
+    p.choose([4, 3], bad, fed_tokens=2)
+    p.depth.observe(rate=0.1, proposed=1, accepted=0)
+    p.choose([4, 3], bad, fed_tokens=2)
+    assert len(calls) == 4
+    # A new price re-ranks the levels from the same gains.
+    good = [est(60, 1), est(60, 1)]
+    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 5e-3, 0.0])
+    assert p.choose([4, 4], good, fed_tokens=2) == [0, 0]
+    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 1e-6, 0.0])
+    assert p.choose([4, 4], good, fed_tokens=2) == [4, 4]
+    assert len(calls) == 5
