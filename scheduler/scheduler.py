@@ -190,14 +190,18 @@ class Scheduler:
             # Nothing running to go by: what the model would give a fresh sequence. Not k
             # regardless: with a draft that has been failing, every newcomer would cost the
             # draft a prefill for proposals that will be rejected.
-            newcomer = self.policy.fresh_k(self.k)
+            newcomer = self.policy.fresh_k(self.k, self._reachable_batch())
         # The rule holds for the batch this step may reach, not the one before admissions:
         # requests arriving together into an empty batch would otherwise all propose (and
         # the draft prefill every prompt) in the very step the rule exists to spare.
         limit = self.policy.disable_by_batch_size
-        if limit is not None and min(len(self.running) + len(self.waiting), self.config.max_num_seqs) >= limit:
+        if limit is not None and self._reachable_batch() >= limit:
             newcomer = 0
         return planned, newcomer
+
+    def _reachable_batch(self) -> int:
+        """The batch this step may reach once the waiting requests are admitted."""
+        return min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
 
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []

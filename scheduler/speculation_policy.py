@@ -144,13 +144,24 @@ class SpeculationPolicy:
         self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)), level)
         return chosen
 
-    def fresh_k(self, cap: int) -> int:
-        """The k a new sequence would get alone in a decode step: its rate is the draft's
-        recent rate across sequences. No switch or exploration state is touched."""
-        per_level = self._best_per_level(self.depth.gains(self._rates([AcceptanceEstimate()]), [cap]),
-                                         self.cost.price(1, 1))
-        factors = self.levels.factors(1, [m for m in per_level if m])
-        return max(per_level, key=lambda m: per_level[m][0] * factors.get(m, 1.0))
+    def fresh_k(self, cap: int, num_seqs: int = 1) -> int:
+        """The k for ``num_seqs`` new sequences arriving together into an empty batch, as
+        the batch they form would decode: their rate is the draft's recent rate across
+        sequences, and on against off is judged at that batch size as the switch has
+        measured it. Requests arriving together are not valued as if each were alone: at
+        batch 1 speculation nearly always pays, and every newcomer's draft would prefill
+        in a batch where it does not. No switch or exploration state is touched."""
+        n = max(1, num_seqs)
+        rates = self._rates([AcceptanceEstimate()]) * n
+        per_level = self._best_per_level(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
+        speculating = [m for m in per_level if m]
+        if not speculating:
+            return 0
+        factors = self.levels.factors(n, speculating)
+        best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
+        if self.switch.goodput(n, True, per_level[best][0]) < self.switch.goodput(n, False, per_level[0][0]):
+            return 0
+        return max(per_level[best][1])
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
         """A whole step's outcome, for the on/off switch and the level correction (which

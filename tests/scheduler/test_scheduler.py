@@ -1641,6 +1641,25 @@ def test_adaptive_newcomers_into_an_empty_batch_follow_the_drafts_record():
     assert [s.step_k for s in good.sched.schedule().seqs] == [good.sched.policy.fresh_k(4)] != [0]
 
 
+def test_adaptive_newcomers_arriving_together_are_valued_as_one_batch():
+    # Speculation pays at batch 1 and not at 64 (50 us per scored token against a 1 ms
+    # step): 64 requests arriving together into an empty batch start without proposals,
+    # and the draft is not asked to prefill their prompts; one alone proposes.
+    eng = build(speculation_policy="adaptive", max_num_seqs=64)
+    cost = eng.sched.policy.cost
+    cost.target.set_weights([1e-3, 0.0, 5e-5, 5e-5, 0.0])
+    cost.draft.set_weights([1e-4, 5e-5, 1e-5, 1e-5])
+    cost.overhead.set_weights([0.0, 0.0])
+    add_requests(eng, [(i, 6, 4) for i in range(1, 65)])
+    step = eng.sched.schedule()
+    assert len(step.seqs) == 64 and all(s.step_k == 0 for s in step.seqs)
+    assert all(p is None for p in step.draft_plans)
+    alone = build(speculation_policy="adaptive", max_num_seqs=64)
+    alone.sched.policy.cost = cost
+    add_requests(alone, [(1, 6, 4)])
+    assert [s.step_k for s in alone.sched.schedule().seqs] == [alone.sched.policy.fresh_k(3)] != [0]
+
+
 def test_disable_by_batch_size_holds_in_the_step_that_admits_the_batch():
     # Eight requests arriving together into an empty batch make a batch of eight: with the
     # rule at 4, nobody proposes and the draft is not called (it used to prefill every

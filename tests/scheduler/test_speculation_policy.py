@@ -181,6 +181,22 @@ def test_a_fresh_sequence_gets_what_the_drafts_recent_record_earns():
     assert p.switch._steps == {} and p._level_choices == 0
 
 
+def test_newcomers_arriving_together_are_valued_at_the_batch_they_form():
+    # Scoring a token costs 50 us: speculation pays for one sequence, not for 256 at once.
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=5e-5))
+    assert p.fresh_k(4, num_seqs=1) > 0
+    assert p.fresh_k(4, num_seqs=256) == 0
+    # Where the model says speculation pays but the switch has measured it doing worse
+    # than plain decoding at that batch size, newcomers start without it too.
+    q = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=1e-5))
+    assert q.fresh_k(4, num_seqs=8) > 0
+    for _ in range(5):
+        q.switch.observe(8, True, tokens=8, seconds=0.01, predicted_tokens=20, predicted_seconds=0.01)
+        q.switch.observe(8, False, tokens=8, seconds=0.001, predicted_tokens=8, predicted_seconds=0.001)
+    assert q.fresh_k(4, num_seqs=8) == 0
+    assert q.fresh_k(4, num_seqs=1) > 0            # batch 1 is measured apart
+
+
 def test_depth_calibration_is_fed_the_rate_the_choice_assumed():
     # Observing a batch updates the overall rate sequence by sequence; the calibration
     # must compare each outcome with what the choice assumed, not with a rate that the
