@@ -25,10 +25,10 @@ class LevelCorrection:
     bucket's ratio over all levels, scales the model's figure for that level: only how
     levels compare is corrected here (on against off is ``GoodputSwitch``'s).
 
-    Sums decay per observation of their own level, so a level that runs only as a
-    neighbour trial (one step in 16) keeps its last few measurements. A level with fewer
-    than ``min_samples`` keeps the model's figure, and factors stay within ``limits``: a
-    few noisy steps must not bury a level the trials would no longer revisit."""
+    Sums decay per observation of their own level, so a level that runs only in level
+    trials (one step in 16, the other levels in turn) keeps its last few measurements. A
+    level with fewer than ``min_samples`` keeps the model's figure, and factors stay
+    within ``limits``: a few noisy steps must not bury a level for long."""
 
     decay: float = 0.8               # about a level's last five steps
     min_samples: int = 2

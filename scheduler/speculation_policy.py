@@ -25,15 +25,15 @@ in the same steps: a draft call serves them together instead of one every step.
 A model fitted only from the steps its own choices produce cannot tell apart costs that
 always move together (with every sequence at level m, ``n``, ``sum k_i`` and ``n * m``
 are proportional) and would price the levels it never runs from its prior. So every
-``explore_levels_every``-th speculating step runs the best choice one level below or
-above the best (alternately): a neighbour of the optimum, cheap to run, and enough to
-keep the per-level costs measured.
+``explore_levels_every``-th speculating step runs the best choice at another level, the
+others in turn, nearest first: enough to keep the per-level costs measured, and a level
+that looked bad on a few early steps gets measured again.
 
 How levels compare has a measured word too (``LevelCorrection``): acceptance depends on
 the proposal's length in a way no per-position rate sees (the target's free token after a
 wholly accepted proposal lands on different positions for different k), so each level's
 figure is scaled by how its measured goodput has compared with the model's, relative to
-the other levels at that batch size. The level trials above keep the neighbours measured.
+the other levels at that batch size. The level trials above keep every level measured.
 
 On or off for the whole batch has a measured last word: ``GoodputSwitch`` scales the
 model's expected goodput of each mode by how far its predictions for that mode have been
@@ -62,7 +62,7 @@ class SpeculationPolicy:
     overall_decay: float = 0.99      # about the last hundred, across sequences
     probe_interval: int = 16
     max_probe_interval: int = 256
-    explore_levels_every: int = 16   # 0: never run a neighbouring level
+    explore_levels_every: int = 16   # 0: never run another level
     cost: StepCostModel = field(default_factory=StepCostModel)
     switch: GoodputSwitch = field(default_factory=GoodputSwitch)
     # Every sequence's observations together: a new sequence starts from what the draft
@@ -207,16 +207,17 @@ class SpeculationPolicy:
         return self.spread.rates(estimates, self.overall.rate(self.prior_acceptance))
 
     def _explore_levels(self, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
-        """The best speculating level, or now and then a neighbouring one."""
+        """The best speculating level, or now and then another one."""
         if self.explore_levels_every:
             self._level_choices += 1
             if self._level_choices % self.explore_levels_every == 0:
-                # Alternate below and above; at either end, the one neighbour there is.
-                # Level 0 is not explored here: on against off is the switch's measurement.
-                up = (self._level_choices // self.explore_levels_every) % 2 == 0
-                near = [m for m in ((best + 1, best - 1) if up else (best - 1, best + 1)) if m > 0 and m in per_level]
-                if near:
-                    best = near[0]
+                # The other levels in turn, nearest first. Neighbours alone would leave a
+                # level two away judged for good on the few noisy steps it ran early on:
+                # once the best settles, nothing would run it again. Level 0 is not
+                # explored here: on against off is the switch's measurement.
+                others = sorted((m for m in per_level if m and m != best), key=lambda m: (abs(m - best), m))
+                if others:
+                    best = others[(self._level_choices // self.explore_levels_every - 1) % len(others)]
         return best
 
     def _best_per_level(self, gains: list[list[float]], price: StepPrice) -> dict[int, tuple[float, list[int]]]:

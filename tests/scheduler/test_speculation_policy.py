@@ -143,17 +143,19 @@ def test_failed_probes_back_off_and_a_success_resets():
     assert e.quiet_limit == 4
 
 
-def test_every_few_speculating_steps_a_neighbouring_level_runs():
-    # With a draft pass at 0.5 ms, level 2 is best; every 4th choice runs level 3, then
-    # level 1, alternately, each with that level's own best k_i.
+def test_every_few_speculating_steps_another_level_runs_in_turn():
+    # With a draft pass at 0.5 ms, level 2 is best; every 4th choice runs another level,
+    # nearest first (1, 3, then 4: a level two away is measured again too), each with
+    # that level's own best k_i.
     p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4,
                           cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
-    picks = [p.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4) for _ in range(16)]
-    assert [max(ks) for ks in picks] == [2, 2, 2, 1, 2, 2, 2, 3] * 2
+    p.switch.explore_every = 10**9                 # no on/off trials in the way
+    picks = [p.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4) for _ in range(24)]
+    assert [max(ks) for ks in picks] == [2, 2, 2, 1, 2, 2, 2, 3, 2, 2, 2, 4] * 2
     assert all(len(set(ks)) == 1 for ks in picks)
-    # At the top level, the one neighbour there is.
+    # From the top level, down one at a time.
     top = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=2, cost=controlled_cost(t_tok=1e-5))
-    assert [max(top.choose([4] * 4, [est(50, 1)] * 4, fed_tokens=4)) for _ in range(6)] == [4, 3, 4, 3, 4, 3]
+    assert [max(top.choose([4] * 4, [est(50, 1)] * 4, fed_tokens=4)) for _ in range(8)] == [4, 3, 4, 2, 4, 1, 4, 3]
     # Level 0 (off) is the switch's to measure, never a level trial.
     never = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=1,
                               cost=controlled_cost(t_tok=1e-5, d_pass=2e-3))
