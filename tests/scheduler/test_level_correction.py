@@ -31,13 +31,32 @@ def test_a_level_that_beats_its_prediction_is_ranked_up_relative_to_the_others()
         c.observe(2, level=3, tokens=9, seconds=0.010, predicted_tokens=10, predicted_seconds=0.010)
     f = c.factors(2, [2, 3, 4])
     mean = (6 * 1.2 + 2 * 0.9) / 8
-    assert f[4] == pytest.approx(1.2 / mean) and f[3] == pytest.approx(0.9 / mean)
+    # Each ratio shrunk towards the typical one by two pseudo-steps (no decay here: a
+    # level's steps count whole).
+    assert f[4] == pytest.approx((6 * 1.2 + 2 * mean) / 8 / mean)
+    assert f[3] == pytest.approx((2 * 0.9 + 2 * mean) / 4 / mean)
+    assert f[4] > 1.0 > f[3]
     assert f[2] == 1.0                                        # never measured
     # Another batch-size bucket knows nothing of it; extreme ratios are clamped.
     assert c.factors(32, [3, 4]) == {3: 1.0, 4: 1.0}
     for _ in range(4):
         c.observe(2, level=2, tokens=1, seconds=0.010, predicted_tokens=10, predicted_seconds=0.010)
     assert c.factors(2, [2, 3, 4])[2] == c.limits[0]
+
+
+def test_two_lucky_trial_steps_do_not_make_a_level_take_over():
+    c = LevelCorrection()
+    for _ in range(20):      # level 4 runs everywhere and delivers what the model says
+        c.observe(1, level=4, tokens=4, seconds=0.011, predicted_tokens=4, predicted_seconds=0.011)
+    for _ in range(2):       # level 1, tried twice in an easy stretch: 1.3x
+        c.observe(1, level=1, tokens=2.6, seconds=0.007, predicted_tokens=2, predicted_seconds=0.007)
+    f = c.factors(1, [1, 4])
+    assert 1.0 < f[1] / f[4] < 1.16            # taken at its word, 1.3
+    # The same record, kept up, is believed more: five more such steps.
+    for _ in range(5):
+        c.observe(1, level=1, tokens=2.6, seconds=0.007, predicted_tokens=2, predicted_seconds=0.007)
+    f = c.factors(1, [1, 4])
+    assert f[1] / f[4] > 1.18
 
 
 def _cost() -> StepCostModel:
