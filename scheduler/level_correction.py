@@ -72,10 +72,7 @@ class LevelCorrection:
             if m not in ratios:
                 out[m] = 1.0
                 continue
-            # A level's ratio rests on its last few steps (decayed), taken wherever in
-            # the text it happened to run: shrunk towards the typical ratio by
-            # ``prior_steps`` pseudo-steps, two lucky trial steps cannot make a level
-            # look a quarter better and take over.
+            # Shrunk by the level's decayed step count (see the class docstring).
             n = weight[m] if self.decay >= 1.0 else (1.0 - self.decay ** weight[m]) / (1.0 - self.decay)
             ratio = (n * ratios[m] + self.prior_steps * mean) / (n + self.prior_steps)
             out[m] = min(hi, max(lo, ratio / mean))

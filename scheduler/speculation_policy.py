@@ -114,14 +114,7 @@ class SpeculationPolicy:
         price = self.cost.price(n, fed_tokens)
         if self._levels is None or self._levels[0] != price:
             per_level = self._best_per_level(gains, price)
-            speculating = [m for m in per_level if m]
-            best = 0
-            if speculating:
-                # Levels ranked by the model's figure as measured to hold up; the switch
-                # gets the model's own figure for the level that would run.
-                factors = self.levels.factors(n, speculating)
-                best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
-            self._levels = (price, per_level, best)
+            self._levels = (price, per_level, self._best_level(n, per_level))
         per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
@@ -154,12 +147,8 @@ class SpeculationPolicy:
         n = max(1, num_seqs)
         rates = self._rates([AcceptanceEstimate()]) * n
         per_level = self._best_per_level(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
-        speculating = [m for m in per_level if m]
-        if not speculating:
-            return 0
-        factors = self.levels.factors(n, speculating)
-        best = max(speculating, key=lambda m: per_level[m][0] * factors[m])
-        if self.switch.goodput(n, True, per_level[best][0]) < self.switch.goodput(n, False, per_level[0][0]):
+        best = self._best_level(n, per_level)
+        if not best or self.switch.goodput(n, True, per_level[best][0]) < self.switch.goodput(n, False, per_level[0][0]):
             return 0
         return max(per_level[best][1])
 
@@ -205,6 +194,16 @@ class SpeculationPolicy:
         """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
         recent rate across sequences as far as sequences have been seen to differ."""
         return self.spread.rates(estimates, self.overall.rate(self.prior_acceptance))
+
+    def _best_level(self, num_seqs: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
+        """The speculating level whose figure, as measured to hold up, is best (0 when
+        none is possible). On against off is left to the switch, which gets the model's
+        own figure for this level."""
+        speculating = [m for m in per_level if m]
+        if not speculating:
+            return 0
+        factors = self.levels.factors(num_seqs, speculating)
+        return max(speculating, key=lambda m: per_level[m][0] * factors[m])
 
     def _explore_levels(self, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
         """The best speculating level, or now and then another one."""
