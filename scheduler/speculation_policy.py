@@ -76,7 +76,7 @@ class SpeculationPolicy:
     # (n, tokens, seconds, level) the model expects of the last choice
     _expected: tuple[int, float, float, int] | None = None
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
-    # (price, per_level, best).
+    # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
     _levels: tuple | None = None
 
@@ -112,9 +112,12 @@ class SpeculationPolicy:
             self._levels = None
         rates, gains = self._gains[1:]
         price = self.cost.price(n, fed_tokens)
-        if self._levels is None or self._levels[0] != price:
+        # The level ranking also reads the level correction, which moves only when a
+        # speculating step is observed: it renews the ranking, not the gains.
+        ranking = (price, self.levels.observations)
+        if self._levels is None or self._levels[0] != ranking:
             per_level = self._best_per_level(gains, price)
-            self._levels = (price, per_level, self._best_level(n, per_level))
+            self._levels = (ranking, per_level, self._best_level(n, per_level))
         per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
@@ -184,11 +187,10 @@ class SpeculationPolicy:
             self.overall.observe(proposed, accepted, self.overall_decay)
 
     def _valuation_inputs(self, caps: list[int], estimates: list[AcceptanceEstimate]) -> tuple:
-        """What the proposals' values and the levels' ranking read besides the price,
-        compared by value: a change made behind the policy's back counts as much as an
-        observation."""
+        """What the proposals' values read, compared by value: a change made behind the
+        policy's back counts as much as an observation."""
         return (tuple(caps), self.overall.rate(self.prior_acceptance), self.depth.observations,
-                self.levels.observations, [(e.accepted, e.rejected, e.last_full) for e in estimates])
+                [(e.accepted, e.rejected, e.last_full) for e in estimates])
 
     def _rates(self, estimates: list[AcceptanceEstimate]) -> list[float]:
         """Each sequence's acceptance rate: its own counts, shrunk towards the draft's
