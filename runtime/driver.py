@@ -21,7 +21,6 @@ from scheduler.block_manager import BlockManager
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
-from workers import model_loader
 from runtime.worker_pool import start_workers
 
 
@@ -51,6 +50,10 @@ class DriverCore:
         """``backend``: "ray" (workers are actors) or "local" (workers in this process, as
         in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics API
         (default: with the ray backend)."""
+        # Imported here, not at module level: the client process defines the driver actor
+        # from this class and should not pay for torch and transformers (seconds per CLI call).
+        from workers import model_loader
+
         self.config = config
         tcfg = model_loader.load_config(config.target)
         self.vocab_size = tcfg.vocab_size

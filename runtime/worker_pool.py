@@ -18,8 +18,7 @@ from runtime.compiled_channel import CompiledChannel
 from runtime.config import RuntimeConfig
 from runtime.engine import LocalCall, WorkerCall, WorkerLost
 from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
-from workers.kv_cache import StaleCacheError
-from workers.model_runner import WorkerConfig
+from workers.worker_config import StaleCacheError, WorkerConfig
 from workers.ngram_proposer import NgramProposer
 
 

@@ -6,6 +6,7 @@ import torch
 
 from scheduler.block_manager import BlockManager
 from scheduler.messages import StepPlan
+from workers.worker_config import PlanError, StaleCacheError
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -28,15 +29,6 @@ def default_num_blocks(config, block_size: int, dtype: torch.dtype, device: torc
     else:
         budget = 2 * 1024**3
     return max(1, min(useful, budget // per_block))
-
-
-class StaleCacheError(RuntimeError):
-    """The driver counts cached tokens this worker does not hold (it restarted empty)."""
-
-
-class PlanError(ValueError):
-    """A step plan that contradicts this worker's state or limits; refused before any of
-    the worker's state changed."""
 
 
 class KVCache:

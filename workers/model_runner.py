@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from scheduler.messages import StepPlan
 from workers import model_loader
-from workers.kv_cache import KVCache, PlanError, default_num_blocks
+from workers.kv_cache import KVCache, default_num_blocks
 from workers.paged_attention import build_metadata
-
-
-@dataclass
-class WorkerConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
+from workers.worker_config import PlanError, WorkerConfig
 
 
 class ModelRunner:

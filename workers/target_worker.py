@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.messages import StepPlan, StepResult
-from workers.kv_cache import PlanError
+from workers.worker_config import PlanError
 from workers.model_runner import ModelWorker
 from workers.rejection_sampler import greedy_verify, random_verify
 from workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.draft_worker import DraftWorker
-from workers.model_runner import WorkerConfig
+from workers.worker_config import WorkerConfig
 from workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 VOCAB = 96

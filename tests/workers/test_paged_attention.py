@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from workers.model_runner import ModelRunner, WorkerConfig
+from workers.model_runner import ModelRunner
+from workers.worker_config import WorkerConfig
 from workers.paged_attention import build_metadata, paged_attention
 
 VOCAB = 96

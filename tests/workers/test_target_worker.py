@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.model_runner import WorkerConfig
+from workers.worker_config import WorkerConfig
 from workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
 from workers.target_worker import TargetWorker, packed_verify_batch
 

@@ -27,8 +27,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
 from workers.draft_worker import DraftWorker
-from workers.kv_cache import PlanError, StaleCacheError
-from workers.model_runner import WorkerConfig
+from workers.worker_config import PlanError, StaleCacheError, WorkerConfig
 from workers.target_worker import TargetWorker
 
 VOCAB = 96
