@@ -4,6 +4,7 @@ an in-process serving run, and starting/stopping test Ray heads by pid."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +62,30 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     return outs
 
 
+_GIVEN_PORTS: set[int] = set()
+_PORT_RNG = random.Random()      # its own: tests that seed the global one must not make ports repeat
+
+
 def free_port() -> int:
+    """A port free now, for a process started later. Not one the kernel picks: those come
+    from the ephemeral range (32768-60999 here), where any outgoing connection may take
+    the port before the slow-starting process binds it (seen: a head's client server died
+    on "Address already in use" six seconds after start). Below Ray's default worker
+    ports (10002-19999) are its fixed defaults; 20000-32767 is clear of both."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = _PORT_RNG.randint(20000, 32767)
+        if port in _GIVEN_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN_PORTS.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def ray_pids(sid: int, tmp: str) -> list[int]:
