@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from runtime.config import RuntimeConfig
@@ -45,37 +46,36 @@ class _Request:
     error: str | None = None
 
 
+def _release_when_started(launch: Future) -> None:
+    """Workers started for a driver that then refused its configuration: a start cannot be
+    called off halfway, so wait for it and release what it took."""
+    try:
+        pool = launch.result()
+    except BaseException:
+        return          # it failed as well, and released its own
+    pool.release()
+
+
 class DriverCore:
     def __init__(self, config: RuntimeConfig, backend: str = "ray", export_metrics: bool | None = None) -> None:
         """``backend``: "ray" (workers are actors) or "local" (workers in this process, as
         in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics API
         (default: with the ray backend)."""
-        # Imported here, not at module level: the client process defines the driver actor
-        # from this class and should not pay for torch and transformers (seconds per CLI call).
-        from workers import model_loader
-
         self.config = config
-        tcfg = model_loader.load_config(config.target)
-        self.vocab_size = tcfg.vocab_size
-        target_len = model_loader.max_model_len(tcfg)
-        self.max_model_len = min(config.max_model_len or target_len, target_len)
-        self.eos_ids = model_loader.eos_token_ids(tcfg)
-        if config.k >= self.max_model_len:
-            raise ValueError(f"num_speculative_tokens {config.k} must be below max_model_len {self.max_model_len}")
-        draft_len = None
-        if config.proposer == "draft":
-            dcfg = model_loader.load_config(config.draft)
-            if dcfg.vocab_size != tcfg.vocab_size:
-                raise ValueError(f"draft vocab_size {dcfg.vocab_size} differs from the target's {tcfg.vocab_size}")
-            draft_len = model_loader.max_model_len(dcfg)
-        try:
-            self.tokenizer = model_loader.load_tokenizer(config.target)
-        except Exception:
-            self.tokenizer = None   # token-id prompts still work; strings are refused
+        # The workers start first and load their models while this process reads configs
+        # and the tokenizer (importing transformers alone takes seconds): each worker
+        # bounds its own window by the models' (WorkerConfig.window_of).
         wcfg = dict(dtype=config.dtype, device=config.device, block_size=config.block_size,
-                    num_kv_blocks=config.num_kv_blocks, max_model_len=self.max_model_len,
+                    num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len,
                     max_num_seqs=config.max_num_seqs)
-        self.pool = start_workers(config, wcfg, backend)
+        with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
+            launch = ex.submit(start_workers, config, wcfg, backend)
+            try:
+                draft_len = self._read_models(config)
+            except BaseException:
+                _release_when_started(launch)
+                raise
+            self.pool = launch.result()
         sched_cfg = SchedulerConfig(
             num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
             use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
@@ -101,6 +101,32 @@ class DriverCore:
             self._exporter = RayMetrics(config.name or "anonymous")
         self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
         self._thread.start()
+
+    def _read_models(self, config: RuntimeConfig) -> int | None:
+        """The driver's own view of the models: vocabulary, window, EOS ids and the
+        tokenizer; checks the pair agrees. Returns the draft's window (None without one)."""
+        # Imported here, not at module level: the client process defines the driver actor
+        # from this class and should not pay for torch and transformers (seconds per CLI call).
+        from workers import model_loader
+
+        tcfg = model_loader.load_config(config.target)
+        self.vocab_size = tcfg.vocab_size
+        target_len = model_loader.max_model_len(tcfg)
+        self.max_model_len = min(config.max_model_len or target_len, target_len)
+        self.eos_ids = model_loader.eos_token_ids(tcfg)
+        if config.k >= self.max_model_len:
+            raise ValueError(f"num_speculative_tokens {config.k} must be below max_model_len {self.max_model_len}")
+        draft_len = None
+        if config.proposer == "draft":
+            dcfg = model_loader.load_config(config.draft)
+            if dcfg.vocab_size != tcfg.vocab_size:
+                raise ValueError(f"draft vocab_size {dcfg.vocab_size} differs from the target's {tcfg.vocab_size}")
+            draft_len = model_loader.max_model_len(dcfg)
+        try:
+            self.tokenizer = model_loader.load_tokenizer(config.target)
+        except Exception:
+            self.tokenizer = None   # token-id prompts still work; strings are refused
+        return draft_len
 
     # -- client API ----------------------------------------------------------------
     def info(self) -> dict:

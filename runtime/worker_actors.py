@@ -10,32 +10,51 @@ from __future__ import annotations
 import ray
 
 from scheduler.messages import StepPlan, decode, encode
-from workers import draft_worker, target_worker
+from workers.worker_config import WorkerConfig
 
 
-class DraftWorker(draft_worker.DraftWorker):
+class DraftWorker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        # Imported in the actor, not here: the driver process names these classes to start
+        # the actors, and importing the workers (torch, transformers: seconds) there would
+        # only delay the moment they start loading.
+        from workers.draft_worker import DraftWorker as Worker
+
+        self.worker = Worker(cfg)
+
     @ray.method(num_returns=2)
     def propose_msg(self, data: bytes):
         return self.propose_step(data)
 
     def propose_step(self, data: bytes) -> tuple[bytes, object]:
         """One return value, for a compiled graph's channel."""
-        proposals, probs = self.propose(decode(data, StepPlan, validate=False))
+        proposals, probs = self.worker.propose(decode(data, StepPlan, validate=False))
         # Tensors leave the actor on the host so any node can read them.
         return encode(proposals), (probs.cpu() if probs is not None else None)
+
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks()
 
     def ready(self) -> bool:
         return True
 
 
-class TargetWorker(target_worker.TargetWorker):
+class TargetWorker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        from workers.target_worker import TargetWorker as Worker
+
+        self.worker = Worker(cfg)
+
     def verify_msg(self, data: bytes, *draft_probs) -> bytes:
-        return encode(self.verify(decode(data, StepPlan, validate=False), *draft_probs))
+        return encode(self.worker.verify(decode(data, StepPlan, validate=False), *draft_probs))
 
     def verify_step(self, msg: tuple) -> bytes:
         """``(plan bytes, [draft probabilities])`` as one argument, for a compiled graph."""
         data, draft_probs = msg
         return self.verify_msg(data, *draft_probs)
+
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks()
 
     def ready(self) -> bool:
         return True

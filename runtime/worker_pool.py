@@ -196,7 +196,7 @@ def _start_local(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers, d_blocks = [], None
     if cfg.proposer == "draft":
-        drafts = [DraftWorker(WorkerConfig(cfg.draft, **wcfg)) for _ in range(cfg.num_draft_workers)]
+        drafts = [DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg)) for _ in range(cfg.num_draft_workers)]
         proposers = [LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
     elif cfg.proposer == "ngram":
@@ -212,11 +212,11 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
     from runtime.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
 
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    kinds = [("target", RemoteTargetWorker, cfg.target, actor_options(cfg.target_resources, gpu))
-             for _ in range(cfg.num_target_workers)]
+    kinds = [("target", RemoteTargetWorker, WorkerConfig(cfg.target, **wcfg),
+               actor_options(cfg.target_resources, gpu)) for _ in range(cfg.num_target_workers)]
     if cfg.proposer == "draft":
-        kinds += [("draft", RemoteDraftWorker, cfg.draft, actor_options(cfg.draft_resources, gpu))
-                  for _ in range(cfg.num_draft_workers)]
+        kinds += [("draft", RemoteDraftWorker, WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg),
+                   actor_options(cfg.draft_resources, gpu)) for _ in range(cfg.num_draft_workers)]
     bundles = [_bundle(opts) for _, _, _, opts in kinds]
     pg = None
     if all(bundles):
@@ -228,13 +228,13 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
                                f"{cfg.placement_strategy} within {cfg.placement_timeout_s:.0f}s")
     actors = []
     try:
-        for i, (kind, cls, model, opts) in enumerate(kinds):
+        for i, (kind, cls, wc, opts) in enumerate(kinds):
             if pg is not None:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
             else:
                 strategy = "SPREAD"
             actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cfg.max_worker_restarts,
-                                      max_task_retries=0).remote(WorkerConfig(model, **wcfg)))
+                                      max_task_retries=0).remote(wc))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_blocks = ray.get([a.num_blocks.remote() for a in targets])

@@ -19,12 +19,15 @@ class ModelRunner:
         self.cfg = cfg
         self.model, self.config, self.device, self.dtype = model_loader.load_model(cfg.model, cfg.dtype, cfg.device)
         self.vocab_size = self.config.vocab_size
-        num_blocks = cfg.num_kv_blocks or default_num_blocks(
-            self.config, cfg.block_size, self.dtype, self.device, cfg.max_model_len, cfg.max_num_seqs)
-        self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
-        # The driver never plans past the smaller of its max_model_len and the model's own
+        # The driver never plans past the smaller of its max_model_len and the models' own
         # (the draft's scheduler window included), so neither may a plan.
-        self.max_model_len = min(cfg.max_model_len, model_loader.max_model_len(self.config))
+        windows = [cfg.max_model_len, model_loader.max_model_len(self.config)]
+        if cfg.window_of:
+            windows.append(model_loader.max_model_len(model_loader.load_config(cfg.window_of)))
+        self.max_model_len = min(w for w in windows if w)
+        num_blocks = cfg.num_kv_blocks or default_num_blocks(
+            self.config, cfg.block_size, self.dtype, self.device, self.max_model_len, cfg.max_num_seqs)
+        self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
 
     @property
     def num_blocks(self) -> int:

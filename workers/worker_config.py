@@ -13,8 +13,12 @@ class WorkerConfig:
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
-    max_model_len: int = 2048
+    max_model_len: int | None = 2048   # None: the model's own
     max_num_seqs: int = 256
+    # Another model whose context window also bounds this worker's: the draft serves the
+    # target's sequences. Read by the worker, so the driver can start workers before it
+    # has loaded any config itself.
+    window_of: str | None = None
 
 
 class StaleCacheError(RuntimeError):
