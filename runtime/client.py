@@ -17,6 +17,19 @@ class Driver(DriverCore):
     """The driver actor. Threaded, so stream polls and submits are answered while the
     step loop waits on workers."""
 
+    def __init__(self, config: RuntimeConfig, backend: str, export_metrics: bool) -> None:
+        # Ray hands the client only the text of an error raised while an actor is created,
+        # so a refused configuration is kept and reported by info(), for the client to
+        # raise as the ValueError it is.
+        self.refused: str | None = None
+        try:
+            super().__init__(config, backend, export_metrics)
+        except ValueError as e:
+            self.refused = str(e)
+
+    def info(self) -> dict:
+        return {"refused": self.refused} if self.refused is not None else super().info()
+
 
 RemoteDriver = ray.remote(max_concurrency=256)(Driver)
 
@@ -51,17 +64,19 @@ class SpecRuntime:
         self._closed = False
         try:
             self._info = ray.get(self._driver.info.remote())
+            failure = None
         except Exception as e:
-            # The driver failed to start (bad model path, unplaceable workers, ...):
-            # release what was taken and say why, without Ray's wrapping.
+            self._info, failure = {}, e
+        if failure is not None or "refused" in self._info:
+            # The driver refused its configuration or failed to start (bad model path,
+            # unplaceable workers, ...): release what was taken and say why.
             ray.kill(self._driver)
             if self._owns_ray:
                 ray_env.release()
             self._closed = True
-            cause = getattr(e, "cause", None) or e
-            if isinstance(cause, ValueError):
-                raise ValueError(str(cause)) from None
-            raise RuntimeError(f"specray driver failed to start: {cause}") from None
+            if failure is None:
+                raise ValueError(self._info["refused"])
+            raise RuntimeError(f"specray driver failed to start: {failure}") from None
 
     @classmethod
     def connect(cls, name: str = "specray", namespace: str = "specray",

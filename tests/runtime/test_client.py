@@ -128,6 +128,27 @@ def test_shutdown_then_a_second_runtime_starts_cleanly(ray_session, llama_pair):
         r.shutdown()
 
 
+def test_a_refused_config_leaves_no_worker_behind(ray_session, llama_pair, tmp_path):
+    """Workers start while the driver reads the configs: a driver that then refuses its
+    configuration (here a draft with another vocabulary) releases the workers it started."""
+    from ray._private.state import actors
+    from specray_testing import make_pair
+
+    def alive() -> list[str]:
+        return sorted(a["ActorClassName"] for a in actors().values()
+                      if a["State"] == "ALIVE" and a["ActorClassName"] in ("DraftWorker", "TargetWorker", "Driver"))
+
+    t, _ = llama_pair
+    _, other_draft = make_pair(tmp_path, vocab=50)
+    before = alive()
+    with pytest.raises(ValueError, match="draft vocab_size 50 differs from the target's 97"):
+        SpecRuntime(RuntimeConfig(target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"))
+    deadline = time.time() + 30
+    while alive() != before and time.time() < deadline:
+        time.sleep(0.5)
+    assert alive() == before
+
+
 def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
     """The driver's metrics on Ray's metrics API, and their values moving with traffic:
     the exported counter catches up with what metrics() counted after each request."""

@@ -139,3 +139,21 @@ def test_empty_plan_only_frees(worker, plan_builder):
     props, probs = worker.propose(plan_builder([], [], [], [], [], k=K, free_seq_ids=sids))
     assert props.seq_ids == [] and probs is None
     assert worker.runner.kv.blocks.num_used_blocks == used - 3
+
+
+@pytest.mark.parametrize("max_model_len, window_of, expected", [
+    (2048, False, 128),     # the draft's own window
+    (None, False, 128),     # no figure from the driver: the model's own
+    (None, True, 48),       # the target's window bounds the draft's too
+    (32, True, 32),         # and the driver's figure both
+])
+def test_window_is_the_smallest_of_the_figures_the_worker_reads(tiny_model, draft_path, plan_builder, max_model_len,
+                                                               window_of, expected):
+    """Workers start before the driver has read any config, so each worker bounds its own
+    window: by the driver's max_model_len, its model's and the one named in window_of."""
+    target = tiny_model("llama", seed=22, max_position_embeddings=48)
+    w = DraftWorker(WorkerConfig(model=draft_path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
+                                 max_model_len=max_model_len, window_of=target if window_of else None))
+    assert w.runner.max_model_len == expected
+    with pytest.raises(ValueError, match=f"max_model_len is {expected}"):
+        w.propose(draft_plan(plan_builder, {1: list(range(expected + 1))}, [1]))
