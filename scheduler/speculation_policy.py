@@ -25,9 +25,13 @@ in the same steps: a draft call serves them together instead of one every step.
 A model fitted only from the steps its own choices produce cannot tell apart costs that
 always move together (with every sequence at level m, ``n``, ``sum k_i`` and ``n * m``
 are proportional) and would price the levels it never runs from its prior. So every
-``explore_levels_every``-th speculating step runs the best choice at another level, the
-others in turn, nearest first: enough to keep the per-level costs measured, and a level
-that looked bad on a few early steps gets measured again.
+``explore_levels_every``-th speculating step (a trial slot) runs the best choice at
+another level, the one waiting longest, nearest first: enough to keep the per-level costs
+measured, and a level that looked bad on a few early steps gets measured again. A trial
+costs a step at a worse level (at batch 1 on the bench prompt, level 1 emits half of
+level 4's tokens), so like probes they back off: a level that is still not the best after
+its trial waits twice as many slots for the next one (up to ``max_level_wait``), and
+comes back to every slot once it has been the best.
 
 How levels compare has a measured word too (``LevelCorrection``): acceptance depends on
 the proposal's length in a way no per-position rate sees (the target's free token after a
@@ -47,7 +51,7 @@ from dataclasses import dataclass, field
 from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 from scheduler.goodput_switch import GoodputSwitch
 from scheduler.level_correction import LevelCorrection
-from scheduler.step_cost import StepCostModel, StepPrice
+from scheduler.step_cost import StepCostModel, StepPrice, batch_bucket
 
 POLICIES = ("static", "adaptive")
 
@@ -63,6 +67,7 @@ class SpeculationPolicy:
     probe_interval: int = 16
     max_probe_interval: int = 256
     explore_levels_every: int = 16   # 0: never run another level
+    max_level_wait: int = 8          # trial slots between a losing level's trials, at most
     cost: StepCostModel = field(default_factory=StepCostModel)
     switch: GoodputSwitch = field(default_factory=GoodputSwitch)
     # Every sequence's observations together: a new sequence starts from what the draft
@@ -73,6 +78,11 @@ class SpeculationPolicy:
     levels: LevelCorrection = field(default_factory=LevelCorrection)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
+    # Per (batch bucket, level): trial slots until its next trial may run, and the slot it
+    # is due; the trial in flight as (bucket, level, slot).
+    _level_wait: dict = field(default_factory=dict)
+    _level_due: dict = field(default_factory=dict)
+    _trial: tuple[int, int, int] | None = None
     # (n, tokens, seconds, level) the model expects of the last choice
     _expected: tuple[int, float, float, int] | None = None
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
@@ -123,7 +133,7 @@ class SpeculationPolicy:
             e.assumed_rate = rate
         level = 0
         if best and self.switch.speculate(n, per_level[best][0], per_level[0][0]):
-            level = self._explore_levels(best, per_level)
+            level = self._explore_levels(n, best, per_level)
         chosen = list(per_level[level][1])
         self._calls += 1
         if self._calls % self.probe_interval == 0:
@@ -207,19 +217,35 @@ class SpeculationPolicy:
         factors = self.levels.factors(num_seqs, speculating)
         return max(speculating, key=lambda m: per_level[m][0] * factors[m])
 
-    def _explore_levels(self, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
-        """The best speculating level, or now and then another one."""
-        if self.explore_levels_every:
-            self._level_choices += 1
-            if self._level_choices % self.explore_levels_every == 0:
-                # The other levels in turn, nearest first. Neighbours alone would leave a
-                # level two away judged for good on the few noisy steps it ran early on:
-                # once the best settles, nothing would run it again. Level 0 is not
-                # explored here: on against off is the switch's measurement.
-                others = sorted((m for m in per_level if m and m != best), key=lambda m: (abs(m - best), m))
-                if others:
-                    best = others[(self._level_choices // self.explore_levels_every - 1) % len(others)]
-        return best
+    def _explore_levels(self, num_seqs: int, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
+        """The best speculating level, or in a trial slot another one."""
+        bucket = batch_bucket(num_seqs)
+        # The best level is tried again at the first slot after it stops being the best.
+        self._level_wait.pop((bucket, best), None)
+        self._level_due.pop((bucket, best), None)
+        if self._trial is not None:
+            tb, tm, slot = self._trial
+            self._trial = None
+            if tb == bucket and tm != best:
+                # Its trial (observed by now) left it behind: wait longer for the next.
+                wait = self._level_wait[(tb, tm)] = min(2 * self._level_wait.get((tb, tm), 1), self.max_level_wait)
+                self._level_due[(tb, tm)] = slot + wait
+        if not self.explore_levels_every:
+            return best
+        self._level_choices += 1
+        if self._level_choices % self.explore_levels_every:
+            return best
+        slot = self._level_choices // self.explore_levels_every
+        # Level 0 is not explored here: on against off is the switch's measurement.
+        due = [m for m in per_level if m and m != best and self._level_due.get((bucket, m), 0) <= slot]
+        if not due:
+            return best
+        # The one waiting longest, nearest first. Neighbours alone would leave a level two
+        # away judged for good on the few noisy steps it ran early on.
+        m = min(due, key=lambda m: (self._level_due.get((bucket, m), 0), abs(m - best), m))
+        self._level_due[(bucket, m)] = slot + self._level_wait.get((bucket, m), 1)
+        self._trial = (bucket, m, slot)
+        return m
 
     def _best_per_level(self, gains: list[list[float]], price: StepPrice) -> dict[int, tuple[float, list[int]]]:
         """Level m (the number of draft passes, max k_i) -> (expected tokens per second,

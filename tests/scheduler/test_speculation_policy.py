@@ -162,6 +162,34 @@ def test_every_few_speculating_steps_another_level_runs_in_turn():
     assert [sum(never.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4)) for _ in range(4)] == [0] * 4
 
 
+def test_level_trials_back_off_while_the_level_keeps_losing():
+    # Each trial a level loses doubles the slots until its next one (at most
+    # max_level_wait): the trial slots (every 4th choice) then run levels 1, 3, 4 at
+    # waits 1, 2, 4, 8 and are mostly left unused.
+    def trials(p, n, rates):
+        """The level run in each trial slot among the next n choices."""
+        out = []
+        for _ in range(n):
+            level = max(p.choose([4] * 4, [rates] * 4, fed_tokens=4))
+            if p._level_choices % p.explore_levels_every == 0:
+                out.append(level)
+        return out
+
+    p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4, max_level_wait=8,
+                          cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    p.switch.explore_every = 10**9
+    slots = trials(p, 4 * 24, est(8, 2))
+    assert slots == [1, 3, 4, 1, 3, 4, 2, 1, 3, 4] + [2] * 5 + [1, 3, 4] + [2] * 5 + [1]
+    # A level that has been the best is tried at the first slot after it stops being it.
+    assert max(p.choose([4] * 4, [est(50, 1)] * 4, fed_tokens=4)) == 4
+    assert trials(p, 4 * 2, est(8, 2)) == [4, 3]          # then level 3, due as before
+    # max_level_wait=1: every slot runs a trial, as without backoff.
+    flat = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4, max_level_wait=1,
+                             cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    flat.switch.explore_every = 10**9
+    assert trials(flat, 4 * 12, est(8, 2)) == [1, 3, 4] * 4
+
+
 def test_calibrated_depth_gains_make_deeper_proposals_worth_it():
     # The same sequences, the same costs: once deep proposals have been seen to be accepted
     # more often than a_i^j says, the policy proposes deeper.
