@@ -47,7 +47,9 @@ def main() -> int:
     del hf
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     failures = []
-    layouts = {"co-located": {"colocate": True}, "actors": {}, "compiled graph": {"compiled_graph": True}}
+    # Draft and target workers each ask for a whole GPU by default: half each fits one GPU.
+    half = {"target_resources": {"GPU": 0.5}, "draft_resources": {"GPU": 0.5}}
+    layouts = {"co-located": {"colocate": True}, "actors": half, "compiled graph": {"compiled_graph": True, **half}}
     for name, layout in layouts.items():
         for proposer in ("draft", "ngram", "none"):
             cfg = RuntimeConfig(target=target, draft=draft if proposer == "draft" else None, proposer=proposer,

@@ -9,6 +9,7 @@ outputs is worthless.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -184,6 +185,21 @@ def random_copy(model_dir: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
+def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
+    """RuntimeConfig fields that let every runtime of the bench fit on one GPU. Runs
+    interleave, so all runtimes live at once, and a worker on CUDA asks Ray for a whole GPU
+    by default: on a one-GPU machine the second runtime would wait for ever. Each actor
+    that holds a GPU (a co-located driver, else each draft and target worker) asks for an
+    equal part of one instead."""
+    from workers.model_loader import resolve_device
+
+    if resolve_device(s.device).type != "cuda":
+        return {}
+    holders = len(spec_configs) if s.colocate else sum(1 + (p == "draft") for p, _ in spec_configs)
+    share = {"GPU": math.floor(100 / holders) / 100}
+    return {"target_resources": dict(share), "draft_resources": dict(share)}
+
+
 def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
     """(proposer, policy) -> a started SpecRuntime. The first starts alone (it may start
     Ray), the others together: a start is mostly each actor importing and loading on its
@@ -192,12 +208,14 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> di
 
     from runtime import RuntimeConfig, SpecRuntime
 
+    shares = gpu_shares(s, spec_configs)
+
     def start(proposer: str, policy: str) -> SpecRuntime:
         return SpecRuntime(RuntimeConfig(
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
             num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
             max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate,
-            compiled_graph=s.compiled_graph))
+            compiled_graph=s.compiled_graph, **shares))
 
     first, rest = spec_configs[0], spec_configs[1:]
     runtimes = {first: start(*first)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import PHASES, OutputCheck, analytic_speedup
+from runtime.bench import PHASES, BenchSettings, OutputCheck, analytic_speedup, gpu_shares
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = [sys.executable, "-m", "runtime.cli"]
@@ -148,3 +148,20 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
     while time.time() < deadline and specray_actors_and_groups(dashboard) != ([], []):
         time.sleep(0.5)
     assert specray_actors_and_groups(dashboard) == ([], [])
+
+
+def test_bench_runtimes_share_one_gpu(monkeypatch):
+    """Every runtime of the bench lives at once: on CUDA each GPU-holding actor asks for
+    an equal part of one GPU, so a one-GPU machine can host them all; on CPU nothing."""
+    import torch
+
+    from workers import model_loader
+
+    configs = [("draft", "static"), ("draft", "adaptive"), ("ngram", "static"), ("none", "static")]
+    assert gpu_shares(BenchSettings(target="t", draft="d", device="cpu"), configs) == {}
+    monkeypatch.setattr(model_loader, "resolve_device", lambda device: torch.device("cuda"))
+    actors = gpu_shares(BenchSettings(target="t", draft="d", device="cuda"), configs)
+    # 2 draft runtimes x (target + draft) + 2 target-only runtimes = 6 workers.
+    assert actors == {"target_resources": {"GPU": 0.16}, "draft_resources": {"GPU": 0.16}}
+    colocated = gpu_shares(BenchSettings(target="t", draft="d", device="cuda", colocate=True), configs)
+    assert colocated["target_resources"] == {"GPU": 0.25}
