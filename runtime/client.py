@@ -64,19 +64,21 @@ class SpecRuntime:
         self._closed = False
         try:
             self._info = ray.get(self._driver.info.remote())
-            failure = None
         except Exception as e:
-            self._info, failure = {}, e
-        if failure is not None or "refused" in self._info:
-            # The driver refused its configuration or failed to start (bad model path,
-            # unplaceable workers, ...): release what was taken and say why.
-            ray.kill(self._driver)
-            if self._owns_ray:
-                ray_env.release()
-            self._closed = True
-            if failure is None:
-                raise ValueError(self._info["refused"])
-            raise RuntimeError(f"specray driver failed to start: {failure}") from None
+            # The driver failed to start (unplaceable workers, a worker that died loading, ...).
+            self._abandon_start()
+            raise RuntimeError(f"specray driver failed to start: {e}") from None
+        if "refused" in self._info:
+            # Bad input: a model path, a draft with another vocabulary, a window too small.
+            self._abandon_start()
+            raise ValueError(self._info["refused"])
+
+    def _abandon_start(self) -> None:
+        """Release what a failed start took (its workers go with the driver actor)."""
+        ray.kill(self._driver)
+        if self._owns_ray:
+            ray_env.release()
+        self._closed = True
 
     @classmethod
     def connect(cls, name: str = "specray", namespace: str = "specray",

@@ -196,7 +196,8 @@ def _start_local(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers, d_blocks = [], None
     if cfg.proposer == "draft":
-        drafts = [DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg)) for _ in range(cfg.num_draft_workers)]
+        drafts = [DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg))
+                  for _ in range(cfg.num_draft_workers)]
         proposers = [LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
     elif cfg.proposer == "ngram":
