@@ -13,7 +13,19 @@ from scheduler.messages import StepPlan, decode, encode
 from workers.worker_config import WorkerConfig
 
 
-class DraftWorker:
+class _WorkerActor:
+    """What the driver asks of either kind of worker actor besides its step."""
+
+    worker: object
+
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks()
+
+    def ready(self) -> bool:
+        return True
+
+
+class DraftWorker(_WorkerActor):
     def __init__(self, cfg: WorkerConfig) -> None:
         # Imported in the actor, not here: the driver process names these classes to start
         # the actors, and importing the workers (torch, transformers: seconds) there would
@@ -32,14 +44,8 @@ class DraftWorker:
         # Tensors leave the actor on the host so any node can read them.
         return encode(proposals), (probs.cpu() if probs is not None else None)
 
-    def num_blocks(self) -> int:
-        return self.worker.num_blocks()
 
-    def ready(self) -> bool:
-        return True
-
-
-class TargetWorker:
+class TargetWorker(_WorkerActor):
     def __init__(self, cfg: WorkerConfig) -> None:
         from workers.target_worker import TargetWorker as Worker
 
@@ -52,12 +58,6 @@ class TargetWorker:
         """``(plan bytes, [draft probabilities])`` as one argument, for a compiled graph."""
         data, draft_probs = msg
         return self.verify_msg(data, *draft_probs)
-
-    def num_blocks(self) -> int:
-        return self.worker.num_blocks()
-
-    def ready(self) -> bool:
-        return True
 
 
 def actor_options(resources: dict[str, float], gpu: bool) -> dict:

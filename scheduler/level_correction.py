@@ -26,7 +26,7 @@ class LevelCorrection:
     levels compare is corrected here (on against off is ``GoodputSwitch``'s).
 
     Sums decay per observation of their own level, so a level that runs only in level
-    trials (one step in 16, the other levels in turn) keeps its last few measurements. A
+    trials (now and then, less often while it keeps losing) keeps its last few measurements. A
     level with fewer than ``min_samples`` keeps the model's figure, and factors stay
     within ``limits``: a few noisy steps must not bury a level for long.
 

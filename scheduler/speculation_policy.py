@@ -78,10 +78,9 @@ class SpeculationPolicy:
     levels: LevelCorrection = field(default_factory=LevelCorrection)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
-    # Per (batch bucket, level): trial slots until its next trial may run, and the slot it
-    # is due; the trial in flight as (bucket, level, slot).
-    _level_wait: dict = field(default_factory=dict)
-    _level_due: dict = field(default_factory=dict)
+    # (batch bucket, level) -> (trial slots it waits between trials, the slot it is next
+    # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
+    _level_trials: dict = field(default_factory=dict)
     _trial: tuple[int, int, int] | None = None
     # (n, tokens, seconds, level) the model expects of the last choice
     _expected: tuple[int, float, float, int] | None = None
@@ -221,15 +220,14 @@ class SpeculationPolicy:
         """The best speculating level, or in a trial slot another one."""
         bucket = batch_bucket(num_seqs)
         # The best level is tried again at the first slot after it stops being the best.
-        self._level_wait.pop((bucket, best), None)
-        self._level_due.pop((bucket, best), None)
+        self._level_trials.pop((bucket, best), None)
         if self._trial is not None:
             tb, tm, slot = self._trial
             self._trial = None
             if tb == bucket and tm != best:
                 # Its trial (observed by now) left it behind: wait longer for the next.
-                wait = self._level_wait[(tb, tm)] = min(2 * self._level_wait.get((tb, tm), 1), self.max_level_wait)
-                self._level_due[(tb, tm)] = slot + wait
+                wait = min(2 * self._level_trials.get((tb, tm), (1, 0))[0], self.max_level_wait)
+                self._level_trials[(tb, tm)] = (wait, slot + wait)
         if not self.explore_levels_every:
             return best
         self._level_choices += 1
@@ -237,13 +235,15 @@ class SpeculationPolicy:
             return best
         slot = self._level_choices // self.explore_levels_every
         # Level 0 is not explored here: on against off is the switch's measurement.
-        due = [m for m in per_level if m and m != best and self._level_due.get((bucket, m), 0) <= slot]
+        trials = {m: self._level_trials.get((bucket, m), (1, 0)) for m in per_level if m and m != best}
+        due = [m for m, (_, at) in trials.items() if at <= slot]
         if not due:
             return best
         # The one waiting longest, nearest first. Neighbours alone would leave a level two
         # away judged for good on the few noisy steps it ran early on.
-        m = min(due, key=lambda m: (self._level_due.get((bucket, m), 0), abs(m - best), m))
-        self._level_due[(bucket, m)] = slot + self._level_wait.get((bucket, m), 1)
+        m = min(due, key=lambda m: (trials[m][1], abs(m - best), m))
+        wait = trials[m][0]
+        self._level_trials[(bucket, m)] = (wait, slot + wait)
         self._trial = (bucket, m, slot)
         return m
 
