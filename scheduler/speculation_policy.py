@@ -82,8 +82,8 @@ class SpeculationPolicy:
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
     _level_trials: dict = field(default_factory=dict)
     _trial: tuple[int, int, int] | None = None
-    # (n, tokens, seconds, level) the model expects of the last choice
-    _expected: tuple[int, float, float, int] | None = None
+    # (n, tokens, seconds, level, priced from its own bucket) the model expects of the last choice
+    _expected: tuple[int, float, float, int, bool] | None = None
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
     # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
@@ -146,7 +146,8 @@ class SpeculationPolicy:
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
         expected = n + sum(sum(g[:k]) for g, k in zip(gains, chosen))
-        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)), level)
+        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)), level,
+                          self.cost.fitted(n, any(chosen)))
         return chosen
 
     def fresh_k(self, cap: int, num_seqs: int = 1) -> int:
@@ -169,10 +170,15 @@ class SpeculationPolicy:
         counts only steps that ran a level the policy chose). Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
         speculation and would make whichever mode it ran in look slow. So does a step
-        whose batch is not the one the policy chose for (a preemption shrank it)."""
+        whose batch is not the one the policy chose for (a preemption shrank it), and one
+        priced before its batch size had measurements of its own: the prior's or a
+        neighbour's price can be off several times over, the cost model soon corrects
+        itself from the same steps, and those ratios would linger in the switch's sums
+        (after a bench's first batch of 32, plain decoding there counted as 0.62 of what
+        the refitted model expects of it, for runs on end)."""
         expected, self._expected = self._expected, None
         if (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0
-                and expected is not None and expected[0] == num_seqs):
+                and expected is not None and expected[0] == num_seqs and expected[4]):
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1], expected[2])
             if proposed:
                 self.levels.observe(num_seqs, expected[3], emitted, seconds, expected[1], expected[2])

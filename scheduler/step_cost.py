@@ -136,6 +136,7 @@ class BucketedFit:
         self.prior = list(prior)
         self.window = window
         self.fits: dict[int, LinearFit] = {}
+        self.given = False
 
     def _ready(self, b: int) -> LinearFit | None:
         fit = self.fits.get(b)
@@ -154,6 +155,11 @@ class BucketedFit:
             fit = self.fits[b] = LinearFit(self.n, self.window, prior=prior, relative=True)
         fit.add(x, y)
 
+    def fitted(self, num_seqs: int) -> bool:
+        """Whether predictions at this batch size are measured or given (``set_weights``),
+        not the prior's or another bucket's guess."""
+        return self.given or self._ready(batch_bucket(num_seqs)) is not None
+
     def weights(self, num_seqs: int) -> list[float]:
         b = batch_bucket(num_seqs)
         fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
@@ -168,6 +174,7 @@ class BucketedFit:
             raise ValueError(f"expected {self.n} weights, got {len(weights)}")
         self.prior = list(weights)
         self.fits.clear()
+        self.given = True
 
 
 @dataclass
@@ -202,6 +209,12 @@ class StepCostModel:
         """A step's time outside the worker calls."""
         if seconds > 0:
             self.overhead.add(num_seqs, [1.0, float(num_seqs)], seconds)
+
+    def fitted(self, num_seqs: int, speculating: bool) -> bool:
+        """Whether a step of this batch is priced from its own bucket's measurements (for
+        a speculating step, the draft's too) rather than a neighbour's or the prior."""
+        return (self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
+                and (not speculating or self.draft.fitted(num_seqs)))
 
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy
