@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import PHASES, BenchSettings, OutputCheck, analytic_speedup, gpu_shares
+from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, analytic_speedup, gpu_shares, paired_ratios,
+                           run_order)
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = [sys.executable, "-m", "runtime.cli"]
@@ -77,6 +78,36 @@ def test_bench_quick_json_has_every_field(tmp_path):
         else:
             assert r["step_ms"] is None
     assert "per step, ms" in p.stdout
+    assert {(q["batch_size"], q["against"]) for q in result["paired"]} == {
+        (b, against) for b in (1, 4) for against in ("none", "best other")}
+    assert "within each repeat" in p.stdout
+
+
+def test_each_repeat_rotates_the_configurations_of_each_batch_size():
+    plan = [("specray", "draft", 1), ("specray", "none", 1), ("hf", "none", 1),
+            ("specray", "draft", 8), ("specray", "none", 8), ("hf", "assisted", 1)]
+    assert run_order(plan, 0) == [plan[0], plan[1], plan[2], plan[5], plan[3], plan[4]]
+    assert run_order(plan, 1) == [plan[1], plan[2], plan[5], plan[0], plan[4], plan[3]]
+    for rep in range(6):
+        assert sorted(run_order(plan, rep)) == sorted(plan)
+
+
+def test_paired_ratios_compare_runs_within_each_repeat():
+    def run(proposer, policy, samples, b=8):
+        return Run("specray", proposer, b, policy=policy, samples=samples)
+    # Repeat 2 ran in a slow spell: every configuration slowed down alike.
+    adaptive = run("draft", "adaptive", [110.0, 100.0, 55.0])
+    static = run("draft", "static", [100.0, 105.0, 50.0])
+    none = run("none", "static", [120.0, 90.0, 50.0])
+    hf = Run("hf", "none", 8, samples=[500.0, 500.0, 500.0])
+    other_batch = run("none", "static", [1.0, 1.0, 1.0], b=1)
+    got = {(p["policy"], p["against"]): p for p in paired_ratios([adaptive, static, none, hf, other_batch])}
+    assert set(got) == {("adaptive", "draft/static"), ("adaptive", "none"), ("adaptive", "best other"),
+                        ("static", "draft/adaptive"), ("static", "none"), ("static", "best other")}
+    best = got[("adaptive", "best other")]
+    assert best["median"] == pytest.approx(100 / 105)
+    assert (best["min"], best["max"]) == (pytest.approx(110 / 120), pytest.approx(1.1))
+    assert got[("static", "none")]["median"] == pytest.approx(1.0)
 
 
 def test_analytic_speedup_limits():
