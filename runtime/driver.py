@@ -46,13 +46,15 @@ class _Request:
     error: str | None = None
 
 
-def _release_when_started(launch: Future) -> None:
-    """Workers started for a driver that then refused its configuration: a start cannot be
-    called off halfway, so wait for it and release what it took."""
+def _call_off(launch: Future, cancel: threading.Event) -> None:
+    """Workers starting for a driver that then refused its configuration: call the start
+    off (on Ray at once; in this process after the model being loaded) and release
+    whatever it had already taken."""
+    cancel.set()
     try:
         pool = launch.result()
     except BaseException:
-        return          # it failed as well, and released its own
+        return          # called off, or failed as well: it released its own
     pool.release()
 
 
@@ -68,12 +70,13 @@ class DriverCore:
         wcfg = dict(dtype=config.dtype, device=config.device, block_size=config.block_size,
                     num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len,
                     max_num_seqs=config.max_num_seqs)
+        cancel = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
-            launch = ex.submit(start_workers, config, wcfg, backend)
+            launch = ex.submit(start_workers, config, wcfg, backend, cancel)
             try:
                 draft_len = self._read_models(config)
             except BaseException:
-                _release_when_started(launch)
+                _call_off(launch, cancel)
                 raise
             self.pool = launch.result()
         sched_cfg = SchedulerConfig(

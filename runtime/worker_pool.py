@@ -10,6 +10,7 @@ by Ray's SPREAD scheduling instead.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,12 +176,42 @@ class RayPropose(_RayWorkerCall):
         return decode(self._get(ref), Proposals), probs_ref
 
 
-def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str) -> WorkerPool:
+class StartCancelled(Exception):
+    """The start was called off (its driver refused the configuration) before it ended."""
+
+
+def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str,
+                  cancel: threading.Event | None = None) -> WorkerPool:
+    """``cancel``: once set, a start still waiting for placement or for its workers to
+    load stops, releases what it took and raises StartCancelled. Loading a large model
+    takes minutes; a driver that has already refused the configuration (a draft with
+    another vocabulary) should not make its user wait for it."""
+    cancel = cancel or threading.Event()
     if backend == "local":
-        return _start_local(cfg, wcfg)
+        return _start_local(cfg, wcfg, cancel)
     if backend != "ray":
         raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
-    return _start_ray(cfg, wcfg)
+    return _start_ray(cfg, wcfg, cancel)
+
+
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise StartCancelled("the worker start was called off")
+
+
+def _wait_all(refs: list, cancel: threading.Event, timeout: float | None = None) -> bool:
+    """Wait for every ref, looking at ``cancel`` now and then; False on timeout."""
+    import ray
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        _check(cancel)
+        left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+    return True
 
 
 def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
@@ -188,16 +219,22 @@ def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
     return [LocalCall(NgramProposer(cfg.ngram_max, cfg.ngram_min).propose)]
 
 
-def _start_local(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
+def _start_local(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> WorkerPool:
     from workers.draft_worker import DraftWorker
     from workers.target_worker import TargetWorker
 
-    targets = [TargetWorker(WorkerConfig(cfg.target, **wcfg)) for _ in range(cfg.num_target_workers)]
+    # In this process a model's load cannot be stopped halfway: look between workers.
+    targets = []
+    for _ in range(cfg.num_target_workers):
+        _check(cancel)
+        targets.append(TargetWorker(WorkerConfig(cfg.target, **wcfg)))
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers, d_blocks = [], None
     if cfg.proposer == "draft":
-        drafts = [DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg))
-                  for _ in range(cfg.num_draft_workers)]
+        drafts = []
+        for _ in range(cfg.num_draft_workers):
+            _check(cancel)
+            drafts.append(DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg)))
         proposers = [LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
     elif cfg.proposer == "ngram":
@@ -205,7 +242,7 @@ def _start_local(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
     return WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
 
 
-def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
+def _start_ray(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> WorkerPool:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -222,13 +259,18 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
     pg = None
     if all(bundles):
         pg = placement_group(bundles, strategy=cfg.placement_strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=cfg.placement_timeout_s)
-        if not ready:
+        try:
+            placed = _wait_all([pg.ready()], cancel, cfg.placement_timeout_s)
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        if not placed:
             remove_placement_group(pg)
             raise RuntimeError(f"the cluster cannot place {len(bundles)} workers {bundles} with strategy "
                                f"{cfg.placement_strategy} within {cfg.placement_timeout_s:.0f}s")
     actors = []
     try:
+        _check(cancel)
         for i, (kind, cls, wc, opts) in enumerate(kinds):
             if pg is not None:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
@@ -238,8 +280,11 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict) -> WorkerPool:
                                       max_task_retries=0).remote(wc))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
-        t_blocks = ray.get([a.num_blocks.remote() for a in targets])
-        d_blocks = ray.get([a.num_blocks.remote() for a in drafts]) if drafts else None
+        t_refs = [a.num_blocks.remote() for a in targets]
+        d_refs = [a.num_blocks.remote() for a in drafts]
+        _wait_all(t_refs + d_refs, cancel)      # the models load: what a refusal stops
+        t_blocks = ray.get(t_refs)
+        d_blocks = ray.get(d_refs) if drafts else None
     except BaseException:
         for a in actors:
             ray.kill(a)

@@ -149,6 +149,52 @@ def test_a_refused_config_leaves_no_worker_behind(ray_session, llama_pair, tmp_p
     assert alive() == before
 
 
+def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, llama_pair):
+    """A start waiting for its workers (here a target that can never be scheduled; in
+    life, one loading a large model) stops when called off, instead of waiting on, and
+    leaves no worker behind."""
+    import threading
+
+    from ray._private.state import actors
+
+    from runtime.worker_pool import StartCancelled, start_workers
+
+    def alive() -> list[str]:
+        return sorted(a["ActorClassName"] for a in actors().values()
+                      if a["State"] != "DEAD" and a["ActorClassName"] in ("DraftWorker", "TargetWorker"))
+
+    t, d = llama_pair
+    cfg = RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
+                        target_resources={"no_such_resource": 1})
+    wcfg = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=None, max_model_len=None,
+                max_num_seqs=cfg.max_num_seqs)
+    before = alive()
+    cancel, raised = threading.Event(), []
+
+    def start():
+        try:
+            start_workers(cfg, wcfg, "ray", cancel)
+        except BaseException as e:
+            raised.append(e)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        deadline = time.time() + 60
+        while len(alive()) < len(before) + 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert alive() == sorted(before + ["DraftWorker", "TargetWorker"])   # one up, one pending
+    finally:
+        cancel.set()
+        starter.join(timeout=60)
+    assert not starter.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], StartCancelled)
+    deadline = time.time() + 30
+    while alive() != before and time.time() < deadline:
+        time.sleep(0.2)
+    assert alive() == before
+
+
 def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
     """The driver's metrics on Ray's metrics API, and their values moving with traffic:
     the exported counter catches up with what metrics() counted after each request."""

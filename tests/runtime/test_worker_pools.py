@@ -53,3 +53,26 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
         assert {dr for _, dr in seen.values()} == {0, 1}
     finally:
         drv.shutdown()
+
+
+def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair, tmp_path, monkeypatch):
+    """The workers start while the driver reads the configs; a refusal (here a draft with
+    another vocabulary) calls the start off instead of waiting for the models to load."""
+    import runtime.driver
+    from specray_testing import make_pair
+    from runtime.worker_pool import StartCancelled
+
+    seen = []
+
+    def start_workers(cfg, wcfg, backend, cancel):
+        # A model that takes long to load: only being called off ends this start.
+        seen.append(cancel.wait(timeout=120))
+        raise StartCancelled("called off")
+
+    monkeypatch.setattr(runtime.driver, "start_workers", start_workers)
+    t, _ = llama_pair
+    _, other_draft = make_pair(tmp_path, vocab=50)
+    with pytest.raises(ValueError, match="draft vocab_size 50 differs"):
+        DriverCore(RuntimeConfig(target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"),
+                   backend="local")
+    assert seen == [True]
