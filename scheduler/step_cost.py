@@ -155,10 +155,14 @@ class BucketedFit:
             fit = self.fits[b] = LinearFit(self.n, self.window, prior=prior, relative=True)
         fit.add(x, y)
 
-    def fitted(self, num_seqs: int) -> bool:
-        """Whether predictions at this batch size are measured or given (``set_weights``),
-        not the prior's or another bucket's guess."""
-        return self.given or self._ready(batch_bucket(num_seqs)) is not None
+    def fitted(self, num_seqs: int, any_bucket: bool = False) -> bool:
+        """Whether predictions at this batch size are measured (with ``any_bucket``, at
+        some batch size) or given (``set_weights``), not the prior's guess."""
+        if self.given:
+            return True
+        if any_bucket:
+            return any(self._ready(b) is not None for b in self.fits)
+        return self._ready(batch_bucket(num_seqs)) is not None
 
     def weights(self, num_seqs: int) -> list[float]:
         b = batch_bucket(num_seqs)
@@ -211,10 +215,14 @@ class StepCostModel:
             self.overhead.add(num_seqs, [1.0, float(num_seqs)], seconds)
 
     def fitted(self, num_seqs: int, speculating: bool) -> bool:
-        """Whether a step of this batch is priced from its own bucket's measurements (for
-        a speculating step, the draft's too) rather than a neighbour's or the prior."""
+        """Whether a step of this batch is priced from measurements: the target's and the
+        driver's at this batch size's own bucket (a neighbour's can be off several times
+        over), the draft's (for a speculating step) at any. The draft's price depends
+        mostly on its passes, and a bad draft speculates at a batch size only in the
+        switch's trials: its own bucket would take dozens of them to fill, and until
+        then no trial would count."""
         return (self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
-                and (not speculating or self.draft.fitted(num_seqs)))
+                and (not speculating or self.draft.fitted(num_seqs, any_bucket=True)))
 
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy

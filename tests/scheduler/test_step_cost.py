@@ -101,3 +101,22 @@ def test_the_fit_is_solved_lazily_but_never_more_than_a_few_samples_stale():
     assert fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
     fit.add([1.0, 14], 0.002 + 0.0002 * 14)
     assert fit.weights[1] > 0.0001
+
+
+def test_a_batch_size_counts_as_measured_once_its_own_bucket_is_and_the_draft_anywhere():
+    c = StepCostModel()
+    assert not c.fitted(32, speculating=False)
+    for _ in range(2 * len(StepCostModel.target_features(1, 1, 1, 1))):
+        c.observe_target(32, 32, 0, 0, 0.020)
+        c.observe_overhead(32, 0.004)
+    assert c.fitted(32, speculating=False) and c.fitted(40, speculating=False)
+    assert not c.fitted(8, speculating=False)           # priced from batch 32's fit: a guess
+    assert not c.fitted(32, speculating=True)           # the draft never measured
+    for _ in range(2 * len(StepCostModel.draft_features(1, 1, 1))):
+        c.observe_draft(2, 4, 2, 8, 0.005)
+    assert c.fitted(32, speculating=True)               # the draft's price from batch 2 will do
+    given = StepCostModel()
+    given.target.set_weights([1e-3] * 5)
+    given.draft.set_weights([1e-3] * 4)
+    given.overhead.set_weights([1e-3] * 2)
+    assert given.fitted(7, speculating=True)
