@@ -48,7 +48,7 @@ class _Request:
 
 def _call_off(launch: Future, cancel: threading.Event) -> None:
     """Workers starting for a driver that then refused its configuration: call the start
-    off (on Ray at once; in this process after the model being loaded) and release
+    off (on Ray at once; in this process once the model it is loading is in) and release
     whatever it had already taken."""
     cancel.set()
     try:
