@@ -200,10 +200,15 @@ def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
     return {"target_resources": dict(share), "draft_resources": dict(share)}
 
 
-def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
+def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]], max_model_len: int) -> dict:
     """(proposer, policy) -> a started SpecRuntime. The first starts alone (it may start
     Ray), the others together: a start is mostly each actor importing and loading on its
-    own, and one after another they took half a minute on two cores."""
+    own, and one after another they took half a minute on two cores.
+
+    ``max_model_len``: what the bench's requests need. Each worker sizes its KV cache for
+    every sequence at full length, up to half the GPU's free memory: at a real model's
+    window that is the budget, and with every runtime on one GPU each worker would get
+    half of what the one before left, the last ones too little for the batch."""
     from concurrent.futures import ThreadPoolExecutor
 
     from runtime import RuntimeConfig, SpecRuntime
@@ -214,7 +219,8 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> di
         return SpecRuntime(RuntimeConfig(
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
             num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
-            max_num_seqs=max(s.batch_sizes), speculation_policy=policy, colocate=s.colocate,
+            max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+            colocate=s.colocate,
             compiled_graph=s.compiled_graph, **shares))
 
     first, rest = spec_configs[0], spec_configs[1:]
@@ -245,7 +251,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     hf = HFRunner(s)
 
     spec_configs = [("draft", pol) for pol in s.policies] + [("ngram", "static"), ("none", "static")]
-    runtimes = _start_runtimes(s, spec_configs)
+    # Room for the longest prompt, its tokens and one step's lookahead past them.
+    runtimes = _start_runtimes(s, spec_configs, max(map(len, prompts)) + s.max_tokens + s.k + 1)
     # One configuration = (system, proposer, batch size, mode, policy).
     plan: list[tuple[str, str, int, str, str]] = []
     # Batch 1 always runs: the analytic bound and the assisted-generation comparison are

@@ -83,6 +83,25 @@ def test_bench_quick_json_has_every_field(tmp_path):
     assert "within each repeat" in p.stdout
 
 
+def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatch):
+    """Each worker's KV cache is sized for max_num_seqs sequences at max_model_len: at a
+    real model's window, runtimes sharing one GPU would take half of what was left each."""
+    import runtime
+    from runtime.bench import _start_runtimes
+
+    configs = []
+
+    class FakeRuntime:
+        def __init__(self, config):
+            configs.append(config)
+
+    monkeypatch.setattr(runtime, "SpecRuntime", FakeRuntime)
+    s = BenchSettings(target="t", draft="d", batch_sizes=(1, 8), device="cpu")
+    started = _start_runtimes(s, [("draft", "static"), ("draft", "adaptive"), ("none", "static")], 300)
+    assert set(started) == {("draft", "static"), ("draft", "adaptive"), ("none", "static")}
+    assert [(c.max_model_len, c.max_num_seqs) for c in configs] == [(300, 8)] * 3
+
+
 def test_each_repeat_rotates_the_configurations_of_each_batch_size():
     plan = [("specray", "draft", 1), ("specray", "none", 1), ("hf", "none", 1),
             ("specray", "draft", 8), ("specray", "none", 8), ("hf", "assisted", 1)]
