@@ -42,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from runtime.bench import random_copy
+    from runtime.bench import random_copy, rotated, within_repeats
     from runtime.config import RuntimeConfig
     from runtime.driver import DriverCore
     from runtime.stdlib_corpus import held_out_prompts
@@ -68,7 +68,7 @@ def main() -> None:
                 prompts = held_out_prompts(b)
                 # Rotated per repeat: a fixed order gives each policy the same neighbour
                 # every time, and that alone moves a comparison by several percent.
-                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                for name in rotated(names, rep):
                     drv.scheduler.policy = policies[name]
                     t0 = time.perf_counter()
                     outs = drv.wait(drv.submit(prompts, [params] * b).request_ids, timeout=600)
@@ -86,12 +86,11 @@ def main() -> None:
             ratio = medians[name] / max(m for other, m in medians.items() if other != name)
             # The same comparison repeat by repeat: each ratio's runs ran seconds apart.
             best = [max(xs) for xs in zip(*(tokens_per_s[(b, o)] for o in policies if o != name))]
-            paired = [x / y for x, y in zip(v, best)]
+            paired = within_repeats(v, best)
             rows.append({"batch_size": b, "policy": name, "tokens_per_s": medians[name], "min": min(v),
-                         "max": max(v), "vs_best_other": ratio, "paired_vs_best_other": statistics.median(paired),
-                         "paired_min": min(paired), "paired_max": max(paired)})
+                         "max": max(v), "vs_best_other": ratio, "within_repeats_vs_best_other": paired})
             print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}   "
-                  f"{statistics.median(paired):.3f} ({min(paired):.2f}-{max(paired):.2f})")
+                  f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"random_draft": args.random_draft, "tokens": args.tokens,
                                                "repeats": args.repeats, "runs": rows}, indent=2))

@@ -347,17 +347,28 @@ def run_order(plan: list[tuple], rep: int) -> list[tuple]:
     repeats), 1.04 in a rotated one (12 repeats), in the same harness minutes apart."""
     out: list[tuple] = []
     for b in dict.fromkeys(key[2] for key in plan):
-        group = [key for key in plan if key[2] == b]
-        shift = rep % len(group)
-        out += group[shift:] + group[:shift]
+        out += rotated([key for key in plan if key[2] == b], rep)
     return out
+
+
+def rotated(items: list, rep: int) -> list:
+    shift = rep % len(items)
+    return items[shift:] + items[:shift]
+
+
+def within_repeats(samples: list[float], base: list[float]) -> dict | None:
+    """``samples[i] / base[i]`` over repeats i (each pair ran minutes apart at most, under
+    the same machine load): median, min and max; None without a pair."""
+    ratios = [x / y for x, y in zip(samples, base) if y > 0]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def paired_ratios(runs: list[Run]) -> list[dict]:
     """Each specray draft policy's tokens/s over plain decoding's, over the other
-    policies' and over the best of those, taken within each repeat (the runs it compares
-    ran minutes apart at most, under the same machine load): median and min-max over
-    repeats. The spread says how far two configurations differ by noise alone."""
+    policies' and over the best of those, within each repeat (``within_repeats``). The
+    spread says how far two configurations differ by noise alone."""
     out = []
     for run in runs:
         if run.system != "specray" or run.proposer != "draft" or run.mode != "greedy":
@@ -369,10 +380,8 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
             continue
         others["best other"] = [max(xs) for xs in zip(*others.values())]
         for name, base in others.items():
-            ratios = [x / y for x, y in zip(run.samples, base) if y > 0]
-            if ratios:
-                out.append({"batch_size": run.batch_size, "policy": run.policy, "against": name,
-                            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
+            if (ratio := within_repeats(run.samples, base)) is not None:
+                out.append({"batch_size": run.batch_size, "policy": run.policy, "against": name, **ratio})
     return out
 
 

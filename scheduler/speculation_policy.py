@@ -82,8 +82,9 @@ class SpeculationPolicy:
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
     _level_trials: dict = field(default_factory=dict)
     _trial: tuple[int, int, int] | None = None
-    # (n, tokens, seconds, level, priced from its own bucket) the model expects of the last choice
-    _expected: tuple[int, float, float, int, bool] | None = None
+    # (n, tokens, seconds, level) the model expects of the last choice; None when its
+    # price was not measured yet (see observe_step)
+    _expected: tuple[int, float, float, int] | None = None
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
     # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
@@ -146,8 +147,8 @@ class SpeculationPolicy:
                     chosen[i] = 1
         # What the model expects of the final choice, for the switch to check against.
         expected = n + sum(sum(g[:k]) for g, k in zip(gains, chosen))
-        self._expected = (n, expected, price.time(sum(chosen), max(chosen, default=0)), level,
-                          self.cost.fitted(n, any(chosen)))
+        self._expected = ((n, expected, price.time(sum(chosen), max(chosen, default=0)), level)
+                          if self.cost.fitted(n, any(chosen)) else None)
         return chosen
 
     def fresh_k(self, cap: int, num_seqs: int = 1) -> int:
@@ -178,7 +179,7 @@ class SpeculationPolicy:
         the refitted model expects of it, for runs on end)."""
         expected, self._expected = self._expected, None
         if (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0
-                and expected is not None and expected[0] == num_seqs and expected[4]):
+                and expected is not None and expected[0] == num_seqs):
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1], expected[2])
             if proposed:
                 self.levels.observe(num_seqs, expected[3], emitted, seconds, expected[1], expected[2])

@@ -75,7 +75,7 @@ def _run(policy: SpeculationPolicy, steps: int, lucky_level: int) -> list[int]:
     levels = []
     for _ in range(steps):
         ks = policy.choose([4] * 4, batch, fed_tokens=4)
-        n, tokens, seconds, level, _ = policy._expected
+        n, tokens, seconds, level = policy._expected
         emitted = 4 + sum(ks) if max(ks) == lucky_level else round(tokens)
         policy.observe_step(4, 4, sum(ks), emitted, seconds)
         levels.append(max(ks))
