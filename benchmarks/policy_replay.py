@@ -1,0 +1,285 @@
+"""Speculation policies replayed on the bench's closed batches, without the machine's noise.
+
+    python benchmarks/policy_replay.py --record table.json [--target DIR --draft DIR] [--tokens 64]
+    python benchmarks/policy_replay.py --table table.json [--variant NAME='{"trial_batch": 1}' ...]
+                                       [--repeats 7] [--seeds 12] [--noise 0.05]
+
+On this 2-core machine two runs of the same configuration differ by 10-30 %, so a policy
+change worth 3 % takes dozens of repeats to show in ``specray bench``. Greedy decoding is
+deterministic, which makes most of a run replayable:
+
+- ``--record`` runs the target greedily on the bench's prompts (through specray itself)
+  and, at every position of each output, lets the draft propose its next ``k`` greedy
+  tokens (through transformers). How many of them match the target's output there is all
+  a greedy verification can accept, so a sequence proposing ``k_i`` tokens at that
+  position accepts exactly ``min(k_i, L)``, whatever policy brought it there.
+- ``--table`` replays bench-like repeats (batch sizes 1, 8, 32 in turn, each policy
+  keeping what it learned, as each bench runtime does) through the real policy objects:
+  ``choose``, ``fresh_k``, ``observe``, ``observe_step`` and the cost model's observations,
+  in the order the scheduler makes them. Step times come from ``StepSurface``, a smooth
+  CPU-like surface near this machine's measured ones, with lognormal noise per step.
+
+The surface is the weak part: it is a model, not the machine, so the replay ranks changes
+to how the policy reads acceptance (exploration, level choice, trust in a sequence's
+record) far better than it predicts absolute tokens/s. Check a change that touches costs
+against ``benchmarks/policy_side_by_side.py`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scheduler.acceptance import AcceptanceEstimate  # noqa: E402
+from scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+MS = 1e-3
+
+
+@dataclass
+class AcceptanceTable:
+    """Per prompt: its length in tokens and, per output position, how many of the draft's
+    next ``k`` greedy tokens match the target's greedy output from there."""
+
+    k: int
+    prompt_lens: list[int]
+    matches: list[list[int]]
+
+    def to_json(self) -> str:
+        return json.dumps({"k": self.k, "prompt_lens": self.prompt_lens, "matches": self.matches})
+
+    @classmethod
+    def from_json(cls, text: str) -> "AcceptanceTable":
+        d = json.loads(text)
+        return cls(d["k"], d["prompt_lens"], d["matches"])
+
+
+def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> AcceptanceTable:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.config import RuntimeConfig
+    from runtime.driver import DriverCore
+    from scheduler.sampling_params import SamplingParams
+
+    drv = DriverCore(RuntimeConfig(target=target, draft=draft, num_speculative_tokens=k, device="cpu",
+                                   dtype="float32", speculation_policy="static", max_num_seqs=len(prompts)),
+                     backend="local")
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = drv.wait(drv.submit(prompts, [params] * len(prompts)).request_ids, timeout=600)
+    finally:
+        drv.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    matches = []
+    with torch.no_grad():
+        for o in outs:
+            out, row = list(o.token_ids), []
+            for p in range(len(out)):
+                x = torch.tensor([list(o.prompt_token_ids) + out[:p]])
+                g = model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False)[0, x.shape[1]:].tolist()
+                n = 0
+                while n < k and p + n < len(out) and g[n] == out[p + n]:
+                    n += 1
+                row.append(n)
+            matches.append(row)
+    return AcceptanceTable(k, [len(o.prompt_token_ids) for o in outs], matches)
+
+
+@dataclass
+class StepSurface:
+    """Seconds per step, CPU-like: fitted by eye to this machine's in-process step times
+    (tiny pair, 2 cores: plain decoding 5.9 ms at batch 1 and 15 ms at 32; k = 4 for all
+    12.7 and 45 ms; a 160-token prompt's prefill about 18 ms of the target's per
+    sequence) and to ``specray bench``'s driver overhead, adaptive against static."""
+
+    plain: float = 5.6 * MS           # the target's step without proposals ...
+    plain_seq: float = 0.29 * MS      # ... and per sequence
+    spec: float = 2.0 * MS            # the target's extra for scoring proposals at all ...
+    spec_token: float = 0.12 * MS     # ... per (proposed + padded) token / 2
+    draft: float = 1.0 * MS           # the draft's call ...
+    draft_pass: float = 0.6 * MS      # ... per pass (its longest proposal) ...
+    draft_pass_seq: float = 0.07 * MS     # ... per pass and sequence ...
+    draft_fed: float = 0.012 * MS     # ... per token it catches up on
+    prefill_seq: float = 18 * MS      # the target's prefill per prompt
+    draft_prefill_seq: float = 1.7 * MS
+    driver: float = 0.18 * MS         # the driver's own work per step ...
+    driver_seq: float = 0.0085 * MS
+    policy: float = 0.22 * MS         # ... and an adaptive policy's on top
+    policy_seq: float = 0.009 * MS
+
+    def target(self, n: int, proposed: int, longest: int) -> float:
+        t = self.plain + self.plain_seq * n
+        return t + (self.spec + self.spec_token * (proposed + n * longest) / 2 if proposed else 0.0)
+
+    def drafting(self, n: int, longest: int, fed: int) -> float:
+        return self.draft + (self.draft_pass + self.draft_pass_seq * n) * longest + self.draft_fed * fed
+
+    def overhead(self, n: int, adaptive: bool) -> float:
+        return self.driver + self.driver_seq * n + ((self.policy + self.policy_seq * n) if adaptive else 0.0)
+
+
+@dataclass
+class ReplayedBatch:
+    tokens_per_s: float
+    steps: int
+    proposed: list[int]              # per sequence, over the whole run
+    accepted: list[int]
+
+
+def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch: int, max_tokens: int,
+                 surface: StepSurface, rng: random.Random, noise: float = 0.05) -> ReplayedBatch:
+    """One closed batch of the table's first ``batch`` prompts, all admitted together;
+    ``policy`` None is plain decoding."""
+    k = table.k
+    adaptive = policy is not None and policy.kind == "adaptive"
+    seqs = [{"L": table.matches[i], "plen": table.prompt_lens[i], "gen": 0, "lag": table.prompt_lens[i],
+             "est": AcceptanceEstimate(), "proposed": 0, "accepted": 0} for i in range(batch)]
+    if any(len(s["L"]) < max_tokens for s in seqs):
+        raise ValueError(f"the table holds fewer than max_tokens={max_tokens} positions per prompt")
+
+    def jitter() -> float:
+        return math.exp(rng.gauss(0.0, noise)) if noise else 1.0
+
+    total, steps = 0.0, 0
+    while True:
+        live = [s for s in seqs if s["gen"] < max_tokens]
+        if not live:
+            break
+        n = len(live)
+        caps = [min(k, max_tokens - s["gen"] - 1) for s in live]
+        prefill = steps == 0
+        if policy is None:
+            ks = [0] * n
+        elif prefill:
+            # Everyone arrives together into an empty batch: the scheduler's newcomer k.
+            k0 = policy.fresh_k(k, n) if adaptive else k
+            ks = [min(k0, c) for c in caps]
+        else:
+            ks = policy.choose(caps, [s["est"] for s in live], n)
+        proposed, longest = sum(ks), max(ks)
+        fed = sum(s["plen"] for s in live) if prefill else n
+        fed_draft = sum(s["lag"] for s, ki in zip(live, ks) if ki)
+        if prefill:
+            t_target = surface.prefill_seq * n * jitter() + surface.target(n, proposed, longest) - surface.target(n, 0, 0)
+            t_draft = (surface.draft_prefill_seq * n * jitter() + surface.drafting(n, longest, 0)) if proposed else None
+        else:
+            t_target = surface.target(n, proposed, longest) * jitter()
+            t_draft = surface.drafting(n, longest, fed_draft) * jitter() if proposed else None
+        overhead = surface.overhead(n, adaptive) * jitter()
+        seconds = t_target + (t_draft or 0.0) + overhead
+        if adaptive:
+            policy.cost.observe_target(n, fed, proposed, longest, t_target)
+            if t_draft is not None:
+                policy.cost.observe_draft(n, longest, fed_draft, proposed, t_draft)
+        emitted = 0
+        for s, ki in zip(live, ks):
+            acc = min(ki, s["L"][s["gen"]])
+            # What the draft must be fed next time, as the scheduler tracks it: it cached
+            # all its proposals but the last; skipped steps leave it further behind.
+            s["lag"] = acc + 1 - min(acc, ki - 1) if ki else s["lag"] + 1
+            s["gen"] += acc + 1
+            s["proposed"] += ki
+            s["accepted"] += acc
+            emitted += acc + 1
+            if policy is not None:
+                policy.observe(s["est"], ki, acc)
+        if adaptive:
+            policy.observe_step(n, fed, proposed, emitted, seconds)
+            policy.cost.observe_overhead(n, overhead)
+        total += seconds
+        steps += 1
+    return ReplayedBatch(batch * max_tokens / total, steps, [s["proposed"] for s in seqs],
+                         [s["accepted"] for s in seqs])
+
+
+def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int], max_tokens: int,
+                 repeats: int, seeds: int, surface: StepSurface, noise: float) -> dict[tuple[int, str], list[float]]:
+    """name -> a factory of fresh policies (None: plain decoding); each seed builds every
+    policy afresh and runs ``repeats`` rounds of the batch sizes. Returns tokens/s per
+    (batch, name), one per (seed, repeat), aligned across names."""
+    out: dict[tuple[int, str], list[float]] = {}
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        policies = {name: make() for name, make in factories.items()}
+        for _ in range(repeats):
+            for b in batch_sizes:
+                for name, pol in policies.items():
+                    run = replay_batch(pol, table, b, max_tokens, surface, rng, noise)
+                    out.setdefault((b, name), []).append(run.tokens_per_s)
+    return out
+
+
+def policy_factory(kwargs: dict):
+    """A factory of adaptive policies with ``kwargs``; a dotted key sets a field of a
+    component, e.g. ``{"levels.memory": 1.0, "switch.explore_every": 32}``."""
+    top = {key: v for key, v in kwargs.items() if "." not in key}
+    nested = {key: v for key, v in kwargs.items() if "." in key}
+
+    def make() -> SpeculationPolicy:
+        pol = SpeculationPolicy("adaptive", **top)
+        for key, v in nested.items():
+            part, name = key.split(".", 1)
+            component = getattr(pol, part)
+            if not hasattr(component, name):
+                raise ValueError(f"{part} has no field {name!r}")
+            setattr(component, name, v)
+            if hasattr(component, "__post_init__"):
+                component.__post_init__()
+        return pol
+    return make
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--record", help="write an acceptance table here (runs the models)")
+    ap.add_argument("--table", help="replay this acceptance table")
+    ap.add_argument("--target", default=str(MODELS / "tiny-target"))
+    ap.add_argument("--draft", default=str(MODELS / "tiny-draft"))
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32, help="bench prompts to record (the largest batch)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of each step's time")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="an adaptive policy with these SpeculationPolicy fields (dotted: a component's)")
+    args = ap.parse_args()
+    if bool(args.record) == bool(args.table):
+        ap.error("give exactly one of --record and --table")
+    if args.record:
+        from runtime.stdlib_corpus import held_out_prompts
+        table = record(args.target, args.draft, held_out_prompts(args.prompts), args.tokens, args.k)
+        Path(args.record).write_text(table.to_json())
+        mean = statistics.mean(x for row in table.matches for x in row)
+        print(f"wrote {args.record}: {len(table.matches)} prompts x {args.tokens} positions, mean match {mean:.2f}")
+        return
+    table = AcceptanceTable.from_json(Path(args.table).read_text())
+    factories = {"static": lambda: SpeculationPolicy("static", table.k), "none": lambda: None,
+                 "adaptive": policy_factory({"k_max": table.k})}
+    for spec in args.variant:
+        name, _, kw = spec.partition("=")
+        factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")})
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, StepSurface(), args.noise)
+    drafts = [name for name in factories if name not in ("static", "none")]
+    print(f"{'batch':>5}  " + " ".join(f"{name:>9}" for name in factories) + "   over the better of static and none")
+    for b in batch_sizes:
+        best = [max(xs) for xs in zip(res[(b, "static")], res[(b, "none")])]
+        ratios = " ".join(f"{name} {statistics.median([x / y for x, y in zip(res[(b, name)], best)]):.3f}"
+                          for name in drafts)
+        print(f"{b:5d}  " + " ".join(f"{statistics.median(res[(b, name)]):9.0f}" for name in factories) + "   " + ratios)
+
+
+if __name__ == "__main__":
+    main()
