@@ -20,9 +20,18 @@ deterministic, which makes most of a run replayable:
   CPU-like surface near this machine's measured ones, with lognormal noise per step.
 
 The surface is the weak part: it is a model, not the machine, so the replay ranks changes
-to how the policy reads acceptance (exploration, level choice, trust in a sequence's
-record) far better than it predicts absolute tokens/s. Check a change that touches costs
-against ``benchmarks/policy_side_by_side.py`` too.
+to how the policy reads acceptance (trust in a sequence's record, how levels compare)
+far better than it predicts absolute tokens/s. It is also kinder to the cost model than
+a machine is: its step times are linear in the model's own features with 5 % noise, so
+the fit splits a level's price into the draft's fixed cost and its per-pass cost from a
+few steps. Traced inside ``specray bench``'s adaptive runtime, the same draft call at
+k = 4 took 8-16 ms as the machine's speed drifted, and one step at another level was
+enough to price every pass at twice its cost for three runs. So the replay undervalues
+exploration, which keeps the levels' costs measured: it rated level trials four times
+rarer at batch 1 a 2.5 % gain, and in ``specray bench`` adaptive's mean accepted length
+at batch 1 was 3.03-3.50 in four runs with them, against 3.64 in the run before (the
+fit's split stayed wrong for longer; they were not kept). Check any change that touches
+exploration or costs against ``benchmarks/policy_side_by_side.py`` and the bench too.
 """
 
 from __future__ import annotations

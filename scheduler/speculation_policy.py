@@ -31,14 +31,7 @@ measured, and a level that looked bad on a few early steps gets measured again. 
 costs a step at a worse level (at batch 1 on the bench prompt, level 1 emits half of
 level 4's tokens), so like probes they back off: a level that is still not the best after
 its trial waits twice as many slots for the next one (up to ``max_level_wait``), and
-comes back to every slot once it has been the best. A trial's step is also worth its
-batch: at batch 32 it measures the average of 32 sequences, at batch 1 the luck of one
-(which emits 1 or k + 1 tokens almost at random), at the same cost of one step in a
-worse level. So a speculating step of ``n < trial_batch`` sequences moves the slots on
-by ``n / trial_batch`` of a step: at batch 1 a trial comes every 64 steps instead of 16.
-In a replay of the bench's closed batches (benchmarks/policy_replay.py: the recorded
-greedy acceptance, 40 seeds) this took adaptive from 0.947 of static k at batch 1 to
-0.972, and moved batches 8 and 32 by less than 1 %.
+comes back to every slot once it has been the best.
 
 How levels compare has a measured word too (``LevelCorrection``): acceptance depends on
 the proposal's length in a way no per-position rate sees (the target's free token after a
@@ -75,7 +68,6 @@ class SpeculationPolicy:
     max_probe_interval: int = 256
     explore_levels_every: int = 16   # 0: never run another level
     max_level_wait: int = 8          # trial slots between a losing level's trials, at most
-    trial_batch: int = 4             # a trial slot passes n / trial_batch as fast below it
     cost: StepCostModel = field(default_factory=StepCostModel)
     switch: GoodputSwitch = field(default_factory=GoodputSwitch)
     # Every sequence's observations together: a new sequence starts from what the draft
@@ -85,7 +77,7 @@ class SpeculationPolicy:
     spread: RateSpread = field(default_factory=RateSpread)
     levels: LevelCorrection = field(default_factory=LevelCorrection)
     _calls: int = 0
-    _level_choices: float = 0.0      # speculating choices, each min(1, n / trial_batch) of one
+    _level_choices: int = 0          # speculating choices, for level exploration
     # (batch bucket, level) -> (trial slots it waits between trials, the slot it is next
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
     _level_trials: dict = field(default_factory=dict)
@@ -103,8 +95,6 @@ class SpeculationPolicy:
             raise ValueError(f"speculation_policy must be one of {POLICIES}, got {self.kind!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-        if self.trial_batch < 1:
-            raise ValueError(f"trial_batch must be >= 1, got {self.trial_batch}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"acceptance decay must be in (0, 1], got {self.decay}")
 
@@ -247,11 +237,10 @@ class SpeculationPolicy:
                 self._level_trials[(tb, tm)] = (wait, slot + wait)
         if not self.explore_levels_every:
             return best
-        before = int(self._level_choices // self.explore_levels_every)
-        self._level_choices += min(1.0, num_seqs / self.trial_batch)
-        slot = int(self._level_choices // self.explore_levels_every)
-        if slot == before:
+        self._level_choices += 1
+        if self._level_choices % self.explore_levels_every:
             return best
+        slot = self._level_choices // self.explore_levels_every
         # Level 0 is not explored here: on against off is the switch's measurement.
         trials = {m: self._level_trials.get((bucket, m), (1, 0)) for m in per_level if m and m != best}
         due = [m for m, (_, at) in trials.items() if at <= slot]

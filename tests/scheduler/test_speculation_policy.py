@@ -109,8 +109,6 @@ def test_bad_policy_settings_are_refused():
         SpeculationPolicy("sometimes")
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         SpeculationPolicy("static", 4, disable_by_batch_size=0)
-    with pytest.raises(ValueError, match="trial_batch must be >= 1, got 0"):
-        SpeculationPolicy("adaptive", 4, trial_batch=0)
 
 
 def test_new_sequences_start_from_the_overall_acceptance():
@@ -162,25 +160,6 @@ def test_every_few_speculating_steps_another_level_runs_in_turn():
     never = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=1,
                               cost=controlled_cost(t_tok=1e-5, d_pass=2e-3))
     assert [sum(never.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4)) for _ in range(4)] == [0] * 4
-
-
-def test_below_trial_batch_sequences_trial_slots_pass_slower():
-    # One trial step at batch 1 measures one sequence's luck, at the cost of a whole step
-    # at a worse level: with trial_batch=4, a slot passes a quarter as fast there.
-    def levels(n: int, steps: int, **kw) -> list[int]:
-        p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4,
-                              cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20), **kw)
-        p.switch.explore_every = 10**9
-        return [max(p.choose([4] * n, [est(8, 2)] * n, fed_tokens=n)) for _ in range(steps)]
-
-    def trial_steps(levels: list[int]) -> list[int]:
-        return [i + 1 for i, m in enumerate(levels) if m != 2]
-
-    assert trial_steps(levels(4, 16)) == [4, 8, 12, 16]
-    assert trial_steps(levels(8, 16)) == [4, 8, 12, 16]
-    assert trial_steps(levels(2, 32)) == [8, 16, 24, 32]
-    assert trial_steps(levels(1, 64)) == [16, 32, 48, 64]
-    assert trial_steps(levels(1, 16, trial_batch=1)) == [4, 8, 12, 16]
 
 
 def test_level_trials_back_off_while_the_level_keeps_losing():

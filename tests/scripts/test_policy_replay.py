@@ -70,8 +70,8 @@ def test_plain_decoding_replays_one_token_per_step_and_is_deterministic_per_seed
 
 
 def test_variants_set_the_policys_fields_and_its_components():
-    pol = pr.policy_factory({"k_max": 3, "trial_batch": 1, "levels.prior_steps": 5.0})()
-    assert (pol.k_max, pol.trial_batch, pol.levels.prior_steps) == (3, 1, 5.0)
+    pol = pr.policy_factory({"k_max": 3, "explore_levels_every": 32, "levels.prior_steps": 5.0})()
+    assert (pol.k_max, pol.explore_levels_every, pol.levels.prior_steps) == (3, 32, 5.0)
     with pytest.raises(ValueError, match="levels has no field 'nonsense'"):
         pr.policy_factory({"levels.nonsense": 1})()
 
