@@ -72,10 +72,8 @@ class AcceptanceTable:
         return cls(d["k"], d["prompt_lens"], d["matches"])
 
 
-def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> AcceptanceTable:
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def static_greedy_run(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> list:
+    """specray's own greedy outputs (RequestOutput) with static k, in process on CPU."""
     from runtime.config import RuntimeConfig
     from runtime.driver import DriverCore
     from scheduler.sampling_params import SamplingParams
@@ -85,9 +83,16 @@ def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> A
                      backend="local")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        outs = drv.wait(drv.submit(prompts, [params] * len(prompts)).request_ids, timeout=600)
+        return drv.wait(drv.submit(prompts, [params] * len(prompts)).request_ids, timeout=600)
     finally:
         drv.shutdown()
+
+
+def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> AcceptanceTable:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    outs = static_greedy_run(target, draft, prompts, max_tokens, k)
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
     matches = []
     with torch.no_grad():

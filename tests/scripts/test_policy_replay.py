@@ -31,18 +31,7 @@ def table() -> pr.AcceptanceTable:
 
 def _specray_counts(k: int, prompts: list[str]) -> tuple[list[int], list[int]]:
     """Per request, proposals made and accepted by a real static-k run."""
-    from runtime.config import RuntimeConfig
-    from runtime.driver import DriverCore
-    from scheduler.sampling_params import SamplingParams
-
-    drv = DriverCore(RuntimeConfig(target=TARGET, draft=DRAFT, num_speculative_tokens=k, device="cpu",
-                                   dtype="float32", speculation_policy="static", max_num_seqs=len(prompts)),
-                     backend="local")
-    try:
-        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-        outs = drv.wait(drv.submit(prompts, [params] * len(prompts)).request_ids, timeout=300)
-    finally:
-        drv.shutdown()
+    outs = pr.static_greedy_run(TARGET, DRAFT, prompts, TOKENS, k)
     return [o.num_draft_tokens for o in outs], [o.num_accepted_tokens for o in outs]
 
 
