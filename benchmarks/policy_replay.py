@@ -37,6 +37,7 @@ exploration or costs against ``benchmarks/policy_side_by_side.py`` and the bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -235,20 +236,24 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
 
 def policy_factory(kwargs: dict):
     """A factory of adaptive policies with ``kwargs``; a dotted key sets a field of a
-    component, e.g. ``{"levels.memory": 1.0, "switch.explore_every": 32}``."""
+    component, e.g. ``{"levels.prior_steps": 4.0, "switch.explore_every": 32}``."""
     top = {key: v for key, v in kwargs.items() if "." not in key}
-    nested = {key: v for key, v in kwargs.items() if "." in key}
+    parts: dict[str, dict] = {}
+    for key, v in kwargs.items():
+        if "." in key:
+            part, name = key.split(".", 1)
+            parts.setdefault(part, {})[name] = v
 
     def make() -> SpeculationPolicy:
         pol = SpeculationPolicy("adaptive", **top)
-        for key, v in nested.items():
-            part, name = key.split(".", 1)
+        for part, changes in parts.items():
             component = getattr(pol, part)
-            if not hasattr(component, name):
-                raise ValueError(f"{part} has no field {name!r}")
-            setattr(component, name, v)
-            if hasattr(component, "__post_init__"):
-                component.__post_init__()
+            names = {f.name for f in dataclasses.fields(component) if f.init}
+            for name in changes:
+                if name not in names:
+                    raise ValueError(f"{part} has no field {name!r}")
+            # A fresh component built with the changes, as its own __init__ would.
+            setattr(pol, part, dataclasses.replace(component, **changes))
         return pol
     return make
 
