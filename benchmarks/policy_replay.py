@@ -2,7 +2,7 @@
 
     python benchmarks/policy_replay.py --record table.json [--target DIR --draft DIR] [--tokens 64]
     python benchmarks/policy_replay.py --table table.json [--variant NAME='{"trial_batch": 1}' ...]
-                                       [--repeats 7] [--seeds 12] [--noise 0.05]
+                                       [--repeats 7] [--seeds 12] [--noise 0.05] [--rotate-prompts]
 
 On this 2-core machine two runs of the same configuration differ by 10-30 %, so a policy
 change worth 3 % takes dozens of repeats to show in ``specray bench``. Greedy decoding is
@@ -18,6 +18,10 @@ deterministic, which makes most of a run replayable:
   ``choose``, ``fresh_k``, ``observe``, ``observe_step`` and the cost model's observations,
   in the order the scheduler makes them. Step times come from ``StepSurface``, a smooth
   CPU-like surface near this machine's measured ones, with lognormal noise per step.
+  Like the bench, every repeat serves the same prompts (batch 1: the first one);
+  ``--rotate-prompts`` moves each round to the next ones, so batch 1 meets a new text
+  every round, as a server would, and a policy's fit to one prompt stops passing for
+  skill.
 
 The surface is the weak part: it is a model, not the machine, so the replay ranks changes
 to how the policy reads acceptance (trust in a sequence's record, how levels compare)
@@ -152,13 +156,14 @@ class ReplayedBatch:
 
 
 def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch: int, max_tokens: int,
-                 surface: StepSurface, rng: random.Random, noise: float = 0.05) -> ReplayedBatch:
-    """One closed batch of the table's first ``batch`` prompts, all admitted together;
-    ``policy`` None is plain decoding."""
+                 surface: StepSurface, rng: random.Random, noise: float = 0.05, first: int = 0) -> ReplayedBatch:
+    """One closed batch of ``batch`` of the table's prompts from the ``first``-th on
+    (wrapping around), all admitted together; ``policy`` None is plain decoding."""
     k = table.k
     adaptive = policy is not None and policy.kind == "adaptive"
+    rows = [(first + i) % len(table.matches) for i in range(batch)]
     seqs = [{"L": table.matches[i], "plen": table.prompt_lens[i], "gen": 0, "lag": table.prompt_lens[i],
-             "est": AcceptanceEstimate(), "proposed": 0, "accepted": 0} for i in range(batch)]
+             "est": AcceptanceEstimate(), "proposed": 0, "accepted": 0} for i in rows]
     if any(len(s["L"]) < max_tokens for s in seqs):
         raise ValueError(f"the table holds fewer than max_tokens={max_tokens} positions per prompt")
 
@@ -218,18 +223,22 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
 
 
 def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int], max_tokens: int,
-                 repeats: int, seeds: int, surface: StepSurface, noise: float) -> dict[tuple[int, str], list[float]]:
+                 repeats: int, seeds: int, surface: StepSurface, noise: float,
+                 rotate: bool = False) -> dict[tuple[int, str], list[float]]:
     """name -> a factory of fresh policies (None: plain decoding); each seed builds every
     policy afresh and runs ``repeats`` rounds of the batch sizes. Returns tokens/s per
-    (batch, name), one per (seed, repeat), aligned across names."""
+    (batch, name), one per (seed, repeat), aligned across names. The bench's batch of
+    ``b`` is always its first ``b`` prompts; with ``rotate`` round ``r`` takes the ``b``
+    prompts after the first ``r * b`` instead, so batch 1 meets a different text every
+    round, as a server would."""
     out: dict[tuple[int, str], list[float]] = {}
     for seed in range(seeds):
         rng = random.Random(seed)
         policies = {name: make() for name, make in factories.items()}
-        for _ in range(repeats):
+        for r in range(repeats):
             for b in batch_sizes:
                 for name, pol in policies.items():
-                    run = replay_batch(pol, table, b, max_tokens, surface, rng, noise)
+                    run = replay_batch(pol, table, b, max_tokens, surface, rng, noise, first=r * b if rotate else 0)
                     out.setdefault((b, name), []).append(run.tokens_per_s)
     return out
 
@@ -271,6 +280,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of each step's time")
+    ap.add_argument("--rotate-prompts", action="store_true",
+                    help="each round's batch takes the next prompts of the table (batch 1: another text each round)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="an adaptive policy with these SpeculationPolicy fields (dotted: a component's)")
     args = ap.parse_args()
@@ -290,7 +301,8 @@ def main() -> None:
         name, _, kw = spec.partition("=")
         factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, StepSurface(), args.noise)
+    res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, StepSurface(), args.noise,
+                       rotate=args.rotate_prompts)
     drafts = [name for name in factories if name not in ("static", "none")]
     print(f"{'batch':>5}  " + " ".join(f"{name:>9}" for name in factories) + "   over the better of static and none")
     for b in batch_sizes:

@@ -3,6 +3,7 @@ project has on a shared machine.
 
     python benchmarks/policy_side_by_side.py [--target DIR --draft DIR | --random-draft]
                                              [--batch-sizes 1,8,32] [--tokens 64] [--repeats 5]
+                                             [--rotate-prompts]
 
 One in-process driver (workers co-located, no Ray) serves every run; before each run its
 scheduler gets one of several policy objects, each keeping what it has learned across
@@ -11,6 +12,11 @@ at batch 1, so the draft is never called). Runs go policy by policy within each 
 and batch size, in an order rotated per repeat, so machine noise hits them alike.
 Reports median tokens/s and the min-max spread per (batch, policy), and each one's
 ratio to the best other: of medians, and within each repeat (median, min-max).
+
+Like ``specray bench``, every repeat serves the same prompts: batch 1 is one text, and a
+policy that suits that text (or learns it over the repeats) looks better than it is.
+``--rotate-prompts`` gives each repeat the next prompts of the held-out set instead
+(batch 1: another text every repeat; all three policies get the same ones).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rotate-prompts", action="store_true",
+                    help="each repeat serves the next held-out prompts (batch 1: another text every repeat)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -63,9 +71,11 @@ def main() -> None:
         warm = held_out_prompts(2)
         drv.wait(drv.submit(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * 2).request_ids, timeout=600)
         names = list(policies)
+        pool = held_out_prompts(max(32, *batch_sizes))
         for rep in range(args.repeats):
             for b in batch_sizes:
-                prompts = held_out_prompts(b)
+                first = rep * b if args.rotate_prompts else 0
+                prompts = [pool[(first + i) % len(pool)] for i in range(b)]
                 # Rotated per repeat: a fixed order gives each policy the same neighbour
                 # every time, and that alone moves a comparison by several percent.
                 for name in rotated(names, rep):
@@ -93,7 +103,8 @@ def main() -> None:
                   f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"random_draft": args.random_draft, "tokens": args.tokens,
-                                               "repeats": args.repeats, "runs": rows}, indent=2))
+                                               "repeats": args.repeats, "rotate_prompts": args.rotate_prompts,
+                                               "runs": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -67,3 +67,17 @@ def test_variants_set_the_policys_fields_and_its_components():
 
 def test_a_table_survives_its_json(table):
     assert pr.AcceptanceTable.from_json(table.to_json()) == table
+
+
+def test_rotated_rounds_serve_the_next_prompts():
+    # Prompt 0's draft is always right, prompt 1's never: which one a batch of 1 serves
+    # shows in its step count.
+    table = pr.AcceptanceTable(4, [10, 10], [[4] * TOKENS, [0] * TOKENS])
+    steps = [pr.replay_batch(SpeculationPolicy("static", 4), table, 1, TOKENS, pr.StepSurface(), random.Random(0),
+                             noise=0.0, first=first).steps for first in (0, 1, 2)]
+    assert steps == [5, TOKENS, 5]                        # 4 + 1 per step until the cap; wraps around
+    factories = {"static": lambda: SpeculationPolicy("static", 4)}
+    kw = dict(batch_sizes=[1], max_tokens=TOKENS, repeats=2, seeds=1, surface=pr.StepSurface(), noise=0.0)
+    same = pr.replay_bench(factories, table, **kw)[(1, "static")]
+    rotated = pr.replay_bench(factories, table, rotate=True, **kw)[(1, "static")]
+    assert same[0] == same[1] == rotated[0] > 3 * rotated[1]
