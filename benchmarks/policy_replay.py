@@ -214,7 +214,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             if policy is not None:
                 policy.observe(s["est"], ki, acc)
         if adaptive:
-            policy.observe_step(n, fed, proposed, emitted, seconds)
+            policy.observe_step(n, fed, proposed, emitted, seconds, fed_draft - sum(1 for ki in ks if ki))
             policy.cost.observe_overhead(n, overhead)
         total += seconds
         steps += 1

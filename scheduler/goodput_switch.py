@@ -13,23 +13,28 @@ from scheduler.step_cost import batch_bucket
 
 @dataclass
 class GoodputSwitch:
-    """Per bucket of batch sizes (1, 2-3, 4-7, ...) and per mode, discounted sums of what
-    recent decode steps emitted and took, and of what the model predicted for them. Their
-    ratio, measured over predicted goodput (1 while unmeasured), scales the model's figure
-    for the batch at hand, and the mode whose corrected figure is ahead runs.
+    """Per bucket of batch sizes (1, 2-3, 4-7, ...) and per mode, discounted sums of how
+    long recent decode steps took and how long the model predicted. Their ratio
+    (predicted over measured, 1 while unmeasured) scales the model's goodput figure for
+    the batch at hand, and the mode whose corrected figure is ahead runs.
 
-    Raw tokens per second would compare different batches: a batch drained to its slowest,
-    least predictable sequences makes speculation look bad at that size for the next,
-    easy batch. The ratio compares each mode with what the model expected of the same
-    sequences.
+    Only time is checked. What a step emits is the acceptance estimates' business, per
+    sequence; a bucket's ratio of emitted to expected tokens would mostly say which
+    sequences happened to run at that size. A batch drains to its slowest acceptors, which
+    emit less than even their own estimates expect (replayed at batch 1: the median step
+    of a drained batch of 8 or 32 delivered 0.85 and 0.59 of the goodput the model
+    expected of it, a batch-1 request's 1.09), and a speculating correction made of them
+    kept 9 of 32 batch-1 requests on different prompts decoding mostly plain after a few
+    unlucky first steps (3 of 32 judging time alone).
 
     Now and then one step runs the other mode, so its correction stays current (the
     machine's load and the batch's lengths drift): after ``explore_every`` steps; each
     trial whose step did worse than the leader's corrected figure doubles the wait, up to
-    ``max_explore_every`` (a trial can cost several plain steps: the draft catches up on
-    what it skipped), and one that did better brings the next trial back soon. A trial
-    step weighs like any other: at small batch one step's tokens swing from 1 to k+1, and
-    a single unlucky step must not flip the mode."""
+    ``max_explore_every``, and one that did better brings the next trial back soon. A
+    trial's time comes without the draft's catch-up on what it skipped (see
+    ``SpeculationPolicy.observe_step``). A trial step weighs like any other: at small
+    batch one step's tokens swing from 1 to k+1, and a single unlucky step must not flip
+    the mode."""
 
     explore_every: int = 16
     max_explore_every: int = 256
@@ -49,7 +54,7 @@ class GoodputSwitch:
         return batch_bucket(num_seqs)
 
     def correction(self, num_seqs: int, speculate: bool) -> float:
-        """Measured over predicted goodput of this mode at this batch size, else at a
+        """Predicted over measured time of this mode at this batch size, else at a
         neighbouring bucket's (a batch that drains or grows through buckets starts from
         what its neighbour learned); 1 while nothing close is known."""
         b = self.bucket(num_seqs)
@@ -79,8 +84,9 @@ class GoodputSwitch:
         self._trial.pop(b, None)
         return ahead
 
-    def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float,
-                predicted_tokens: float, predicted_seconds: float) -> None:
+    def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float, predicted_seconds: float) -> None:
+        """A decode step's tokens and time, and the time the model predicted for it (the
+        tokens judge a trial against the leader's figure; the correction reads time)."""
         b = self.bucket(num_seqs)
         lead = self._trial.pop(b, None)
         if lead is not None:
@@ -88,4 +94,4 @@ class GoodputSwitch:
             wait = self.explore_every if tokens / seconds > lead else min(2 * wait, self.max_explore_every)
             self._wait[b] = wait
             self._next_trial[b] = self._steps.get(b, 0) + wait
-        self._sums.add((b, speculated), tokens, seconds, predicted_tokens, predicted_seconds)
+        self._sums.add((b, speculated), seconds, predicted_seconds)

@@ -396,7 +396,9 @@ class Scheduler:
         self.stats.record_step(len(out), emitted_total, drafted, accepted, seconds)
         if self.policy.kind == "adaptive":
             fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
-            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds)
+            # Beyond the one token a drafting sequence feeds the draft in a steady step.
+            catch_up = sum(sum(p.num_new) - len(p.seq_ids) for p in step.draft_plans if p is not None)
+            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds, catch_up)
             self.policy.cost.observe_overhead(len(out), seconds - step.call_s)
         self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
         for seq, _ in out:

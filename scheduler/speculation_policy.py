@@ -33,15 +33,18 @@ level 4's tokens), so like probes they back off: a level that is still not the b
 its trial waits twice as many slots for the next one (up to ``max_level_wait``), and
 comes back to every slot once it has been the best.
 
-How levels compare has a measured word too (``LevelCorrection``): acceptance depends on
-the proposal's length in a way no per-position rate sees (the target's free token after a
-wholly accepted proposal lands on different positions for different k), so each level's
-figure is scaled by how its measured goodput has compared with the model's, relative to
-the other levels at that batch size. The level trials above keep every level measured.
+How levels compare has a measured word too (``LevelCorrection``): the cost model tells a
+draft pass's price from the draft call's only through steps at several levels, so each
+level's figure is scaled by how its steps' measured time has compared with the model's,
+relative to the other levels at that batch size. The level trials above keep every level
+measured.
 
 On or off for the whole batch has a measured last word: ``GoodputSwitch`` scales the
-model's expected goodput of each mode by how far its predictions for that mode have been
+model's expected goodput of each mode by how far its step times for that mode have been
 off at this batch size, runs whichever mode is ahead and tries the other one now and then.
+Both check time only: what sequences emit is their acceptance estimates' business, and a
+ratio of emitted to expected tokens per batch size or level would credit it with the
+sequences that happened to run there.
 """
 
 from __future__ import annotations
@@ -82,9 +85,9 @@ class SpeculationPolicy:
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
     _level_trials: dict = field(default_factory=dict)
     _trial: tuple[int, int, int] | None = None
-    # (n, tokens, seconds, level) the model expects of the last choice; None when its
-    # price was not measured yet (see observe_step)
-    _expected: tuple[int, float, float, int] | None = None
+    # (n, seconds, level) the model expects of the last choice; None when its price was
+    # not measured yet (see observe_step)
+    _expected: tuple[int, float, int] | None = None
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
     # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
@@ -145,9 +148,8 @@ class SpeculationPolicy:
                 if (chosen[i] == 0 and caps[i] > 0 and (e.accepted or e.rejected)
                         and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval)):
                     chosen[i] = 1
-        # What the model expects of the final choice, for the switch to check against.
-        expected = n + sum(sum(g[:k]) for g, k in zip(gains, chosen))
-        self._expected = ((n, expected, price.time(sum(chosen), max(chosen, default=0)), level)
+        # The final choice's price, for the switch and the level correction to check.
+        self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level)
                           if self.cost.fitted(n, any(chosen)) else None)
         return chosen
 
@@ -166,7 +168,8 @@ class SpeculationPolicy:
             return 0
         return max(per_level[best][1])
 
-    def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,
+                     draft_catch_up: int = 0) -> None:
         """A whole step's outcome, for the on/off switch and the level correction (which
         counts only steps that ran a level the policy chose). Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
@@ -176,13 +179,23 @@ class SpeculationPolicy:
         neighbour's price can be off several times over, the cost model soon corrects
         itself from the same steps, and those ratios would linger in the switch's sums
         (after a bench's first batch of 32, plain decoding there counted as 0.62 of what
-        the refitted model expects of it, for runs on end)."""
+        the refitted model expects of it, for runs on end).
+
+        ``draft_catch_up``: tokens the draft was fed beyond one per drafting sequence
+        (what it skipped while not proposing; a newcomer's whole context). Their price
+        comes off the step's time: the price of a step assumes a draft in step, the
+        catch-up is paid once when speculation resumes, and left in it made the switch's
+        every trial of speculation after a stretch of plain decoding look slower than
+        speculating runs (in the bench, batch 1 then decoded plain for most of its
+        steps: 1.6 accepted tokens per step against static k's 4.0)."""
         expected, self._expected = self._expected, None
+        if draft_catch_up > 0:
+            seconds -= self.cost.draft_fed_price(num_seqs) * draft_catch_up
         if (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0
                 and expected is not None and expected[0] == num_seqs):
-            self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1], expected[2])
+            self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1])
             if proposed:
-                self.levels.observe(num_seqs, expected[3], emitted, seconds, expected[1], expected[2])
+                self.levels.observe(num_seqs, expected[2], seconds, expected[1])
 
     def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one."""

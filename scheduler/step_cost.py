@@ -236,6 +236,10 @@ class StepCostModel:
             per_pass=dw[1] + tw[4] * n,
             per_token=tw[3] + dw[3])
 
+    def draft_fed_price(self, num_seqs: int) -> float:
+        """Seconds per token the draft is fed, at this batch size."""
+        return self.draft.weights(num_seqs)[2]
+
     def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
         return self.price(num_seqs, fed_tokens).time(sum_k, max_k)
 

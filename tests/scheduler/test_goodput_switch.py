@@ -29,7 +29,7 @@ def drive_switch(sw: GoodputSwitch, n: int, steps: int, on_tps: float, off_tps: 
         on = sw.speculate(n, model_on, model_off)
         made.append(on)
         expected = model_on if on else model_off
-        sw.observe(n, on, n, n / (on_tps if on else off_tps), n, n / expected)
+        sw.observe(n, on, n, n / (on_tps if on else off_tps), n / expected)
     return made
 
 
@@ -80,7 +80,7 @@ def test_switch_keeps_batch_sizes_apart():
     for _ in range(100):
         for n, on_tps, off_tps in ((1, 150.0, 100.0), (32, 700.0, 850.0)):
             on = sw.speculate(n, 1.0, 1.0)
-            sw.observe(n, on, n, n / (on_tps if on else off_tps), n, n)
+            sw.observe(n, on, n, n / (on_tps if on else off_tps), n)
     assert sw.speculate(1, 1.0, 1.0) or sw.speculate(1, 1.0, 1.0)             # one of two may explore
     assert not (sw.speculate(32, 1.0, 1.0) and sw.speculate(32, 1.0, 1.0))
     assert sw.bucket(1) != sw.bucket(32) and sw.bucket(17) == sw.bucket(31)
@@ -109,9 +109,11 @@ def test_a_trial_step_the_switch_never_sees_does_not_keep_it_on_trial():
 def test_policy_turns_speculation_off_where_the_switch_measured_it_slower():
     pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
     assert sum(pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1)] * 32, 32)) > 0
-    for _ in range(40):                     # measured: at batch 32 plain decoding wins
+    # Measured: at batch 32 a speculating step takes eight times a plain one, where the
+    # model prices them about alike.
+    for _ in range(40):
         ks = pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(32)], 32)
-        pol.observe_step(32, 32, sum(ks), 32 * (1 + 0.1 * sum(ks) / 32), 1.0 if sum(ks) else 0.5)
+        pol.observe_step(32, 32, sum(ks), 32 + 3 * sum(ks), 4.0 if sum(ks) else 0.5)
     decisions = [sum(pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1)] * 32, 32)) > 0
                  for _ in range(32)]
     assert decisions.count(True) <= 2
@@ -132,9 +134,8 @@ def test_only_decode_steps_of_the_chosen_batch_feed_the_switch():
     assert pol.switch._sums == {}
     ks = pol.choose([4] * 4, good, 4)
     pol.observe_step(4, 4, sum(ks), 12, 0.5)
-    ((tokens, seconds, expected_tokens, expected_s, steps),) = pol.switch._sums.values()
-    assert (tokens, seconds, steps) == (12, 0.5, 1)
-    assert expected_tokens > 4 and 0 < expected_s < 0.5
+    ((seconds, expected_s, steps),) = pol.switch._sums.values()
+    assert (seconds, steps) == (0.5, 1) and 0 < expected_s < 0.5
     static = SpeculationPolicy("static", k_max=4)
     static.choose([4] * 4, good, 4)
     static.observe_step(4, 4, 8, 12, 0.5)
@@ -161,6 +162,32 @@ def test_steps_priced_before_their_batch_size_was_measured_do_not_feed_the_switc
     assert pol.switch._sums == {}
     ks = pol.choose([0] * 32, good, 32)                 # nothing to propose: plain
     pol.observe_step(32, 32, 0, 32, 0.024)
-    ((tokens, seconds, expected_tokens, expected_s, steps),) = pol.switch._sums.values()
-    assert (tokens, seconds, steps) == (32, 0.024, 1)
+    ((seconds, expected_s, steps),) = pol.switch._sums.values()
+    assert (seconds, steps) == (0.024, 1)
     assert expected_s == pytest.approx(0.024, rel=0.05)  # the fitted price of this very step
+
+
+def test_the_switch_judges_step_times_not_what_the_sequences_emit():
+    # The last sequences of a drained batch emit far less than even their own estimates
+    # expect; that is the estimates' business, not evidence against speculating at batch 1.
+    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    hard = AcceptanceEstimate(accepted=9, rejected=1)
+    for _ in range(10):
+        ks = pol.choose([4], [hard], 1)
+        pol.observe_step(1, 1, sum(ks), 1, pol._expected[1])      # every proposal rejected, on time
+    assert pol.switch.correction(1, True) == pytest.approx(1.0)
+    ks = pol.choose([4], [hard], 1)
+    pol.observe_step(1, 1, sum(ks), 5, 2 * pol._expected[1])      # all accepted, twice as slow
+    assert pol.switch.correction(1, True) < 0.95
+
+
+def test_a_step_where_the_draft_catches_up_counts_at_its_steady_time():
+    # After a stretch of plain decoding the draft is fed everything it skipped: paid once,
+    # not a property of speculating. Its price comes off the step's time.
+    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    pol.cost.draft.set_weights([1e-5, 1e-6, 2e-4, 0.0])               # 0.2 ms per token fed
+    ks = pol.choose([4], [AcceptanceEstimate(accepted=9, rejected=1)], 1)
+    price = pol._expected[1]
+    pol.observe_step(1, 1, sum(ks), 5, price + 160 * 2e-4, draft_catch_up=160)
+    ((seconds, expected_s, steps),) = pol.switch._sums.values()
+    assert seconds == pytest.approx(price) and expected_s == pytest.approx(price)

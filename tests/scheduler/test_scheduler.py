@@ -1677,3 +1677,29 @@ def test_disable_by_batch_size_holds_in_the_step_that_admits_the_batch():
     small = build(disable_by_batch_size=4)
     add_requests(small, [(1, 10, 6), (2, 10, 6)])
     assert [s.step_k for s in small.sched.schedule().seqs] == [4, 4]
+
+
+def test_the_policy_hears_how_much_the_draft_caught_up_on():
+    # Plain for the first steps, then proposing: the first proposing step feeds the draft
+    # the whole context it never saw (prompt and output so far), which the policy is told
+    # apart from the one token a drafting sequence feeds it in a steady step.
+    eng = build(speculation_policy="adaptive")
+    pol = eng.sched.policy
+    pol.fresh_k = lambda cap, num_seqs=1: 0
+    calls, seen = [], []
+    pol.choose = lambda caps, est, fed: [0] * len(caps) if len(calls) < 4 else list(caps)
+    observe_step = pol.observe_step
+
+    def record(num_seqs, fed, proposed, emitted, seconds, draft_catch_up=0):
+        calls.append((proposed, draft_catch_up))
+        observe_step(num_seqs, fed, proposed, emitted, seconds, draft_catch_up)
+    pol.observe_step = record
+    eng.on_plan = lambda step: seen.append(step.seqs[0].num_tokens)
+    ref = add_requests(eng, [(1, 10, 24)])
+    eng.run()
+    assert_matches_reference(eng, ref)
+    first = next(i for i, (proposed, _) in enumerate(calls) if proposed)
+    assert [c for _, c in calls[:first]] == [0] * first
+    assert calls[first][1] == seen[first] - 1        # everything it skipped, less the steady token
+    assert all(c <= 1 for _, c in calls[first + 1:])  # then one or two tokens per step
+    assert len(calls) > first + 2

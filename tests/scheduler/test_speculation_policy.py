@@ -221,8 +221,8 @@ def test_newcomers_arriving_together_are_valued_at_the_batch_they_form():
     q = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=1e-5))
     assert q.fresh_k(4, num_seqs=8) > 0
     for _ in range(5):
-        q.switch.observe(8, True, tokens=8, seconds=0.01, predicted_tokens=20, predicted_seconds=0.01)
-        q.switch.observe(8, False, tokens=8, seconds=0.001, predicted_tokens=8, predicted_seconds=0.001)
+        q.switch.observe(8, True, tokens=20, seconds=0.01, predicted_seconds=0.001)
+        q.switch.observe(8, False, tokens=8, seconds=0.001, predicted_seconds=0.001)
     assert q.fresh_k(4, num_seqs=8) == 0
     assert q.fresh_k(4, num_seqs=1) > 0            # batch 1 is measured apart
 
