@@ -189,10 +189,12 @@ class SpeculationPolicy:
         speculating runs (in the bench, batch 1 then decoded plain for most of its
         steps: 1.6 accepted tokens per step against static k's 4.0)."""
         expected, self._expected = self._expected, None
+        if not (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs
+                and expected is not None and expected[0] == num_seqs):
+            return
         if draft_catch_up > 0:
             seconds -= self.cost.draft_fed_price(num_seqs) * draft_catch_up
-        if (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs and seconds > 0
-                and expected is not None and expected[0] == num_seqs):
+        if seconds > 0:
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1])
             if proposed:
                 self.levels.observe(num_seqs, expected[2], seconds, expected[1])
