@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, analytic_speedup, gpu_shares, paired_ratios,
-                           run_order)
+from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, analytic_speedup, batch_prompts, gpu_shares,
+                           paired_ratios, run_order)
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = [sys.executable, "-m", "runtime.cli"]
@@ -46,13 +46,15 @@ def test_bench_quick_json_has_every_field(tmp_path):
     # Batch 1 is not asked for: it runs anyway, the analytic bound needs it.
     # Co-located and short: the fields are under test here, not the speed (the client and
     # fault tests drive worker actors).
-    p = run_cli(["bench", "--quick", "--colocate", "--max-tokens", "12", "--repeats", "1", "--batch-sizes", "4",
-                 "--out", str(out)], timeout=600)
+    # Rotated: the second repeat serves other prompts, and every prompt's greedy output
+    # still has to agree across the configurations that served it.
+    p = run_cli(["bench", "--quick", "--colocate", "--max-tokens", "12", "--repeats", "2", "--batch-sizes", "4",
+                 "--rotate-prompts", "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in ("k", "alpha", "c", "analytic_bound", "efficiency", "greedy_outputs_equal", "runs"):
         assert key in result
-    assert result["greedy_outputs_equal"] is True
+    assert result["greedy_outputs_equal"] is True and result["rotate_prompts"] is True
     assert (out / "bench.png").stat().st_size > 1000
     seen = {(r["system"], r["proposer"], r["batch_size"]) for r in result["runs"]}
     for b in (1, 4):
@@ -80,7 +82,7 @@ def test_bench_quick_json_has_every_field(tmp_path):
     assert "per step, ms" in p.stdout
     assert {(q["batch_size"], q["against"]) for q in result["paired"]} == {
         (b, against) for b in (1, 4) for against in ("none", "best other")}
-    assert "within each repeat" in p.stdout
+    assert "within each repeat" in p.stdout and "the next ones every repeat" in p.stdout
 
 
 def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatch):
@@ -109,6 +111,15 @@ def test_each_repeat_rotates_the_configurations_of_each_batch_size():
     assert run_order(plan, 1) == [plan[1], plan[2], plan[5], plan[0], plan[4], plan[3]]
     for rep in range(6):
         assert sorted(run_order(plan, rep)) == sorted(plan)
+
+
+def test_rotated_repeats_serve_the_next_prompts():
+    # The default: every repeat serves the same first prompts.
+    assert [batch_prompts(64, 8, rep, rotate=False) for rep in range(3)] == [list(range(8))] * 3
+    # Rotated: each repeat the next ones, batch 1 a new text every repeat; past the end it wraps.
+    assert [batch_prompts(64, 1, rep, rotate=True) for rep in range(3)] == [[0], [1], [2]]
+    assert batch_prompts(64, 8, 2, rotate=True) == list(range(16, 24))
+    assert batch_prompts(10, 4, 2, rotate=True) == [8, 9, 0, 1]
 
 
 def test_paired_ratios_compare_runs_within_each_repeat():
