@@ -117,17 +117,26 @@ def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> A
 @dataclass
 class StepSurface:
     """Seconds per step, CPU-like: fitted by eye to this machine's in-process step times
-    (tiny pair, 2 cores: plain decoding 5.9 ms at batch 1 and 15 ms at 32; k = 4 for all
-    12.7 and 45 ms; a 160-token prompt's prefill about 18 ms of the target's per
-    sequence) and to ``specray bench``'s driver overhead, adaptive against static."""
+    (tiny pair, 2 cores: plain decoding 6.5 ms at batch 1 and 15.5 ms at 32; k = 4 for all
+    15.8 and 45 ms; a 160-token prompt's prefill about 18 ms of the target's per
+    sequence) and to ``specray bench``'s driver overhead, adaptive against static.
 
-    plain: float = 5.6 * MS           # the target's step without proposals ...
+    How a speculating step splits between the draft and the target decides which level
+    is worth running. Measured in process at batch 1 (median of 120-260 steps per level),
+    the draft's call took 2.5 / 4.5 / 6.1 / 8.4 ms at k = 1..4, about 1.9 ms per pass, and
+    the target's verification 6.7 ms plain and 6.9-8.7 ms with proposals; ``specray
+    bench`` puts a k = 4 draft call at 9.5-10.4 ms at batch 8 and 12.8-14.8 ms at 32. An
+    earlier fit gave the same totals with a pass at 0.67 ms and verification 2 ms dearer:
+    deep levels were a third cheaper than on the machine, and fixed k = 3 against k = 4
+    at batch 1 across the table's prompts came out 0.95 where it is 1.02 now."""
+
+    plain: float = 6.2 * MS           # the target's step without proposals ...
     plain_seq: float = 0.29 * MS      # ... and per sequence
-    spec: float = 2.0 * MS            # the target's extra for scoring proposals at all ...
+    spec: float = 0.6 * MS            # the target's extra for scoring proposals at all ...
     spec_token: float = 0.12 * MS     # ... per (proposed + padded) token / 2
-    draft: float = 1.0 * MS           # the draft's call ...
-    draft_pass: float = 0.6 * MS      # ... per pass (its longest proposal) ...
-    draft_pass_seq: float = 0.07 * MS     # ... per pass and sequence ...
+    draft: float = 0.5 * MS           # the draft's call ...
+    draft_pass: float = 1.9 * MS      # ... per pass (its longest proposal) ...
+    draft_pass_seq: float = 0.04 * MS     # ... per pass and sequence ...
     draft_fed: float = 0.012 * MS     # ... per token it catches up on
     prefill_seq: float = 18 * MS      # the target's prefill per prompt
     draft_prefill_seq: float = 1.7 * MS
