@@ -131,11 +131,28 @@ def test_a_record_the_bulk_cannot_explain_is_soon_taken_at_its_word():
 
     easy = AcceptanceEstimate(accepted=12, rejected=0)    # twelve proposals, all accepted
     assert bulk(12, 0) < 0.75 < 0.8 < alike.rates([easy], overall=0.6)[0]
-    hopeless = AcceptanceEstimate(accepted=0, rejected=8)
-    assert alike.rates([hopeless], overall=0.6)[0] < 0.2 < bulk(0, 8)
     # An ordinary record keeps the bulk's shrinkage.
     typical = AcceptanceEstimate(accepted=8, rejected=5)
     assert alike.rates([typical], overall=0.6)[0] == pytest.approx(bulk(8, 5), abs=0.02)
-    # Without the flat share: the beta posterior mean, exactly.
+    # Without the outlier share: the beta posterior mean, exactly.
     alike.outlier_share = 0.0
     assert alike.rates([easy], overall=0.6)[0] == pytest.approx(bulk(12, 0))
+
+
+def test_a_few_rejections_at_the_start_do_not_read_as_a_hopeless_draft():
+    # The tail of real prompts is on the easy side: two or three rejections in a row are
+    # luck for a sequence of a 0.67 draft, and must not drop it towards plain decoding.
+    spread = RateSpread(prior_weight=26.7)
+    assert spread.weight == pytest.approx(26.7)
+
+    def rate(a: float, r: float) -> float:
+        return spread.rates([AcceptanceEstimate(accepted=a, rejected=r)], overall=0.67)[0]
+
+    assert rate(0, 3) > 0.58                          # a flat outlier prior said 0.45
+    assert rate(0, 3) > AcceptanceEstimate(accepted=0, rejected=3).rate(0.67, 26.7) - 0.03
+    # A draft that keeps failing one text still comes down, further with every rejection.
+    falling = [rate(0, r) for r in range(1, 14)]
+    assert falling == sorted(falling, reverse=True)
+    assert rate(0, 7) < 0.5 and rate(0, 13) < 0.3
+    # And an all-accepting record is still taken near its word.
+    assert rate(20, 0) > 0.93
