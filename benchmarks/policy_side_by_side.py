@@ -50,7 +50,7 @@ def main() -> None:
 
     import torch
 
-    from runtime.bench import random_copy, rotated, within_repeats
+    from runtime.bench import batch_prompts, random_copy, rotated, within_repeats
     from runtime.config import RuntimeConfig
     from runtime.driver import DriverCore
     from runtime.stdlib_corpus import held_out_prompts
@@ -74,8 +74,7 @@ def main() -> None:
         pool = held_out_prompts(max(32, *batch_sizes))
         for rep in range(args.repeats):
             for b in batch_sizes:
-                first = rep * b if args.rotate_prompts else 0
-                prompts = [pool[(first + i) % len(pool)] for i in range(b)]
+                prompts = [pool[i] for i in batch_prompts(len(pool), b, rep, args.rotate_prompts)]
                 # Rotated per repeat: a fixed order gives each policy the same neighbour
                 # every time, and that alone moves a comparison by several percent.
                 for name in rotated(names, rep):

@@ -396,7 +396,7 @@ class Scheduler:
         self.stats.record_step(len(out), emitted_total, drafted, accepted, seconds)
         if self.policy.kind == "adaptive":
             fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
-            # Beyond the one token a drafting sequence feeds the draft in a steady step.
+            # Beyond the one token per drafting sequence that the step's price assumes.
             catch_up = sum(sum(p.num_new) - len(p.seq_ids) for p in step.draft_plans if p is not None)
             self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds, catch_up)
             self.policy.cost.observe_overhead(len(out), seconds - step.call_s)

@@ -181,13 +181,14 @@ class SpeculationPolicy:
         (after a bench's first batch of 32, plain decoding there counted as 0.62 of what
         the refitted model expects of it, for runs on end).
 
-        ``draft_catch_up``: tokens the draft was fed beyond one per drafting sequence
-        (what it skipped while not proposing; a newcomer's whole context). Their price
-        comes off the step's time: the price of a step assumes a draft in step, the
-        catch-up is paid once when speculation resumes, and left in it made the switch's
-        every trial of speculation after a stretch of plain decoding look slower than
-        speculating runs (in the bench, batch 1 then decoded plain for most of its
-        steps: 1.6 accepted tokens per step against static k's 4.0)."""
+        ``draft_catch_up``: tokens the draft was fed beyond the one per drafting sequence
+        that the step's price assumes: mostly what it skipped while not proposing (a
+        newcomer's whole context), plus the second token after a wholly accepted proposal.
+        Their price comes off the step's time, so the measured time and the price describe
+        the same step. The catch-up is paid once when speculation resumes; left in, it made
+        the switch's every trial of speculation after a stretch of plain decoding look
+        slower than speculating runs (in the bench, batch 1 then decoded plain for most of
+        its steps: 1.6 accepted tokens per step against static k's 4.0)."""
         expected, self._expected = self._expected, None
         if not (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs
                 and expected is not None and expected[0] == num_seqs):
