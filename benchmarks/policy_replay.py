@@ -3,6 +3,7 @@
     python benchmarks/policy_replay.py --record table.json [--target DIR --draft DIR] [--tokens 64]
     python benchmarks/policy_replay.py --table table.json [--variant NAME='{"trial_batch": 1}' ...]
                                        [--repeats 7] [--seeds 12] [--noise 0.05] [--rotate-prompts]
+                                       [--surface cpu|launch-bound]
 
 On this 2-core machine two runs of the same configuration differ by 10-30 %, so a policy
 change worth 3 % takes dozens of repeats to show in ``specray bench``. Greedy decoding is
@@ -138,7 +139,8 @@ class StepSurface:
     draft_pass: float = 1.9 * MS      # ... per pass (its longest proposal) ...
     draft_pass_seq: float = 0.04 * MS     # ... per pass and sequence ...
     draft_fed: float = 0.012 * MS     # ... per token it catches up on
-    prefill_seq: float = 18 * MS      # the target's prefill per prompt
+    prefill: float = 0.0              # the target's prefill step besides ...
+    prefill_seq: float = 18 * MS      # ... its cost per prompt
     draft_prefill_seq: float = 1.7 * MS
     driver: float = 0.18 * MS         # the driver's own work per step ...
     driver_seq: float = 0.0085 * MS
@@ -154,6 +156,27 @@ class StepSurface:
 
     def overhead(self, n: int, adaptive: bool) -> float:
         return self.driver + self.driver_seq * n + ((self.policy + self.policy_seq * n) if adaptive else 0.0)
+
+
+def launch_bound_surface() -> StepSurface:
+    """An accelerator where a forward pass of these tiny models costs its kernel launches
+    and Python, not its tokens: the target's step about 2 ms (4 layers) whatever it
+    verifies, a draft pass about 0.6 ms (1 layer and the head), a prefill step about a
+    decode step. NOT measured (no GPU was lent to the session that wrote it): a sketch of
+    the regime an accelerator puts small models in, where a verified token is nearly
+    free. Speculation then pays at every batch size here, and the best fixed k on the
+    table's prompts is 3 at batch 1 and 2 at 8 and 32 (a closed batch waits for its
+    slowest acceptors). The driver's and the adaptive policy's own times are the CPU
+    surface's, the same Python on a host CPU, and they become a large share of a short
+    step: this is the surface to ask what the policy's own work costs. Refit it from
+    ``specray bench``'s ``step_ms`` on a real device before reading more into it."""
+    return StepSurface(plain=2.0 * MS, plain_seq=0.005 * MS, spec=0.1 * MS, spec_token=0.002 * MS,
+                       draft=0.3 * MS, draft_pass=0.6 * MS, draft_pass_seq=0.002 * MS, draft_fed=0.0005 * MS,
+                       prefill=2.0 * MS, prefill_seq=0.1 * MS, draft_prefill_seq=0.05 * MS,
+                       driver=0.5 * MS, driver_seq=0.01 * MS)
+
+
+SURFACES = {"cpu": StepSurface, "launch-bound": launch_bound_surface}
 
 
 @dataclass
@@ -199,7 +222,8 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
         fed = sum(s["plen"] for s in live) if prefill else n
         fed_draft = sum(s["lag"] for s, ki in zip(live, ks) if ki)
         if prefill:
-            t_target = surface.prefill_seq * n * jitter() + surface.target(n, proposed, longest) - surface.target(n, 0, 0)
+            t_target = ((surface.prefill + surface.prefill_seq * n) * jitter()
+                        + surface.target(n, proposed, longest) - surface.target(n, 0, 0))
             t_draft = (surface.draft_prefill_seq * n * jitter() + surface.drafting(n, longest, 0)) if proposed else None
         else:
             t_target = surface.target(n, proposed, longest) * jitter()
@@ -289,6 +313,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of each step's time")
+    ap.add_argument("--surface", choices=sorted(SURFACES), default="cpu",
+                    help="step times: this CPU's (fitted) or a launch-bound accelerator's (a sketch, unmeasured)")
     ap.add_argument("--rotate-prompts", action="store_true",
                     help="each round's batch takes the next prompts of the table (batch 1: another text each round)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -310,8 +336,8 @@ def main() -> None:
         name, _, kw = spec.partition("=")
         factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, StepSurface(), args.noise,
-                       rotate=args.rotate_prompts)
+    res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, SURFACES[args.surface](),
+                       args.noise, rotate=args.rotate_prompts)
     drafts = [name for name in factories if name not in ("static", "none")]
     print(f"{'batch':>5}  " + " ".join(f"{name:>9}" for name in factories) + "   over the better of static and none")
     for b in batch_sizes:
