@@ -11,10 +11,11 @@ modestly, and a rate that trusts a sequence's last few steps silences good seque
 after one unlucky step). Its j-th proposal gains about ``a_i^j`` expected tokens
 (calibrated against what deeper proposals actually got accepted). The online cost model
 of step time (scheduler.step_cost) prices a choice of ``k_i``. For each level
-``m = max k_i`` (the draft's passes), candidate tokens (j <= m) are taken in order of
-gain and the best prefix is kept; the level whose best choice has the most expected
-tokens per second wins, which may be level 0: speculation off when verifying extra
-tokens costs more than they return (large batches).
+``m = max k_i`` (the draft's passes) scheduler.level_choice finds the choice with the most
+expected tokens per second exactly (candidate tokens in order of gain while they pay,
+plus the cheapest way to reach depth m); the level whose best choice is best wins, which
+may be level 0: speculation off when verifying extra tokens costs more than they return
+(large batches).
 
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
@@ -53,8 +54,9 @@ from dataclasses import dataclass, field
 
 from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 from scheduler.goodput_switch import GoodputSwitch
+from scheduler.level_choice import LevelChoices
 from scheduler.level_correction import LevelCorrection
-from scheduler.step_cost import StepCostModel, StepPrice, batch_bucket
+from scheduler.step_cost import StepCostModel, batch_bucket
 
 POLICIES = ("static", "adaptive")
 
@@ -129,15 +131,15 @@ class SpeculationPolicy:
         # speculating step is observed: it renews the ranking, not the gains.
         ranking = (price, self.levels.observations)
         if self._levels is None or self._levels[0] != ranking:
-            per_level = self._best_per_level(gains, price)
+            per_level = LevelChoices(gains, price)
             self._levels = (ranking, per_level, self._best_level(n, per_level))
         per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
         level = 0
-        if best and self.switch.speculate(n, per_level[best][0], per_level[0][0]):
+        if best and self.switch.speculate(n, per_level.rates[best], per_level.rates[0]):
             level = self._explore_levels(n, best, per_level)
-        chosen = list(per_level[level][1])
+        chosen = per_level.ks(level)
         self._calls += 1
         if self._calls % self.probe_interval == 0:
             for i in range(n):
@@ -162,11 +164,12 @@ class SpeculationPolicy:
         in a batch where it does not. No switch or exploration state is touched."""
         n = max(1, num_seqs)
         rates = self._rates([AcceptanceEstimate()]) * n
-        per_level = self._best_per_level(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
+        per_level = LevelChoices(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
         best = self._best_level(n, per_level)
-        if not best or self.switch.goodput(n, True, per_level[best][0]) < self.switch.goodput(n, False, per_level[0][0]):
+        figure = per_level.rates
+        if not best or self.switch.goodput(n, True, figure[best]) < self.switch.goodput(n, False, figure[0]):
             return 0
-        return max(per_level[best][1])
+        return max(per_level.ks(best))
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,
                      draft_catch_up: int = 0) -> None:
@@ -229,17 +232,17 @@ class SpeculationPolicy:
         recent rate across sequences as far as sequences have been seen to differ."""
         return self.spread.rates(estimates, self.overall.rate(self.prior_acceptance))
 
-    def _best_level(self, num_seqs: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
+    def _best_level(self, num_seqs: int, per_level: LevelChoices) -> int:
         """The speculating level whose figure, as measured to hold up, is best (0 when
         none is possible). On against off is left to the switch, which gets the model's
         own figure for this level."""
-        speculating = [m for m in per_level if m]
+        speculating = [m for m in per_level.rates if m]
         if not speculating:
             return 0
         factors = self.levels.factors(num_seqs, speculating)
-        return max(speculating, key=lambda m: per_level[m][0] * factors[m])
+        return max(speculating, key=lambda m: per_level.rates[m] * factors[m])
 
-    def _explore_levels(self, num_seqs: int, best: int, per_level: dict[int, tuple[float, list[int]]]) -> int:
+    def _explore_levels(self, num_seqs: int, best: int, per_level: LevelChoices) -> int:
         """The best speculating level, or in a trial slot another one."""
         bucket = batch_bucket(num_seqs)
         # The best level is tried again at the first slot after it stops being the best.
@@ -258,7 +261,7 @@ class SpeculationPolicy:
             return best
         slot = self._level_choices // self.explore_levels_every
         # Level 0 is not explored here: on against off is the switch's measurement.
-        trials = {m: self._level_trials.get((bucket, m), (1, 0)) for m in per_level if m and m != best}
+        trials = {m: self._level_trials.get((bucket, m), (1, 0)) for m in per_level.rates if m and m != best}
         due = [m for m, (_, at) in trials.items() if at <= slot]
         if not due:
             return best
@@ -269,37 +272,3 @@ class SpeculationPolicy:
         self._level_trials[(bucket, m)] = (wait, slot + wait)
         self._trial = (bucket, m, slot)
         return m
-
-    def _best_per_level(self, gains: list[list[float]], price: StepPrice) -> dict[int, tuple[float, list[int]]]:
-        """Level m (the number of draft passes, max k_i) -> (expected tokens per second,
-        k_i) of its best choice; level 0 is plain decoding. ``gains[i][j-1]``: expected
-        tokens from sequence i's j-th proposal (its length is the sequence's cap). With m
-        fixed, step time is linear in the proposed tokens, so the best choice takes
-        candidate tokens (j <= m) in order of gain and keeps the best prefix among those
-        that reach depth m; levels past every cap are absent."""
-        n = len(gains)
-        # Gains never rise with j, so sorting (ties: shallower first) keeps each
-        # sequence's candidates in order.
-        cands = sorted(((g, j, i) for i in range(n) for j, g in enumerate(gains[i], 1)), key=lambda c: (-c[0], c[1]))
-        per_token = price.per_token
-        levels = {0: (n / max(price.plain, 1e-12), [0] * n)}
-        for m in range(1, max((len(g) for g in gains), default=0) + 1):
-            base = price.time(1, m) - per_token
-            gain, t, best_rate, best_len, sum_k, deep = float(n), base, 0.0, 0, 0, False
-            for g, j, _ in cands:
-                if j > m:
-                    continue
-                gain += g
-                t += per_token
-                sum_k += 1
-                deep = deep or j == m
-                if deep and gain > best_rate * t:
-                    best_rate, best_len = gain / max(t, 1e-12), sum_k
-            if best_len:
-                chosen = [0] * n
-                for g, j, i in cands:
-                    if best_len and j <= m:
-                        chosen[i] += 1
-                        best_len -= 1
-                levels[m] = (best_rate, chosen)
-        return levels
