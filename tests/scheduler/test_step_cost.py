@@ -3,9 +3,12 @@ prior, one fit per batch-size bucket, and the step time it predicts."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
-from scheduler.step_cost import BucketedFit, LinearFit, StepCostModel
+from scheduler.step_cost import BucketedFit, LinearFit, StepCostModel, _nonnegative_solve, _solve_linear
 
 
 def test_linear_fit_recovers_a_cost_model():
@@ -27,6 +30,47 @@ def test_linear_fit_keeps_weights_non_negative_by_refitting_without_them():
     for n in range(1, 40):
         free.add([1.0, n], 0.001 + 0.0002 * n - 0.0001 * (n % 5))
     assert w[:2] == pytest.approx(free.weights, rel=1e-6)
+
+
+def _objective(a, b, w) -> float:
+    n = len(b)
+    return sum(w[i] * (sum(a[i][j] * w[j] for j in range(n)) / 2 - b[i]) for i in range(n))
+
+
+def _best_by_enumeration(a, b) -> float:
+    """The least objective over every support's unconstrained solution that is feasible."""
+    n, best = len(b), 0.0                    # w = 0 is feasible
+    for r in range(1, n + 1):
+        for support in itertools.combinations(range(n), r):
+            s = _solve_linear([[a[i][j] for j in support] for i in support], [b[i] for i in support])
+            if s is not None and min(s) >= 0.0:
+                w = [0.0] * n
+                for i, v in zip(support, s):
+                    w[i] = v
+                best = min(best, _objective(a, b, w))
+    return best
+
+
+def test_a_weight_pinned_early_comes_back_when_the_optimum_wants_it():
+    # Unconstrained, weights 0 and 1 are negative. Pinning the most negative and solving
+    # again pins the other as well and leaves [0, 0, 0.43]; the optimum keeps weight 0.
+    a = [[9.0, -6.0, -6.0], [-6.0, 14.0, 1.0], [-6.0, 1.0, 7.0]]
+    b = [-2.0, -5.0, 3.0]
+    w = _nonnegative_solve(a, b)
+    assert w == pytest.approx([4 / 27, 0.0, 5 / 9])
+    assert _objective(a, b, w) < _objective(a, b, [0.0, 0.0, 3 / 7])
+
+
+def test_the_non_negative_solve_reaches_the_optimum_of_random_systems():
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 5)
+        m = [[rng.gauss(0.0, 1.0) for _ in range(n)] for _ in range(n + 2)]
+        a = [[sum(r[i] * r[j] for r in m) + (0.01 if i == j else 0.0) for j in range(n)] for i in range(n)]
+        b = [rng.gauss(0.0, 1.0) for _ in range(n)]
+        w = _nonnegative_solve(a, b)
+        assert min(w) >= 0.0
+        assert _objective(a, b, w) == pytest.approx(_best_by_enumeration(a, b), rel=1e-9, abs=1e-12)
 
 
 def test_ridge_leaves_directions_the_data_do_not_reach_at_the_prior():
