@@ -27,7 +27,7 @@ class LevelChoices:
     undervalued levels by up to 3 % with a verified token at 5 % of a plain step's price,
     and up to 15 % at 20 %.
 
-    Each level's k_i are built only when asked for: a step runs one level."""
+    Each level's k_i are built only when asked for (a step runs one level), once."""
 
     def __init__(self, gains: list[list[float]], price: StepPrice) -> None:
         """``gains[i][j-1]``: expected tokens from sequence i's j-th proposal, never rising
@@ -39,6 +39,7 @@ class LevelChoices:
         # level -> (its candidates in order, how many of them, the sequence whose chain
         # is added to them or -1)
         self._picks: dict[int, tuple[list[tuple[float, int, int]], int, int]] = {}
+        self._ks: dict[int, list[int]] = {}
         pt = price.per_token
         for m in range(1, max((len(row) for row in gains), default=0) + 1):
             cands = [c for c in order if c[1] <= m]
@@ -75,13 +76,16 @@ class LevelChoices:
                 self.rates[m], self._picks[m] = best[0], (cands, best[1], best[2])
 
     def ks(self, m: int) -> list[int]:
-        out = [0] * self.num_seqs
-        if m == 0:
-            return out
-        cands, length, chain = self._picks[m]
-        for _, _, i in cands[:length]:
-            if i != chain:
-                out[i] += 1
-        if chain >= 0:
-            out[chain] = m
-        return out
+        """Level m's k_i, a fresh list (the caller may add probes to it). Built once per
+        level: the policy keeps these choices across steps while nothing they read moves."""
+        if m not in self._ks:
+            out = [0] * self.num_seqs
+            if m:
+                cands, length, chain = self._picks[m]
+                for _, _, i in cands[:length]:
+                    if i != chain:
+                        out[i] += 1
+                if chain >= 0:
+                    out[chain] = m
+            self._ks[m] = out
+        return list(self._ks[m])

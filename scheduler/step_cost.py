@@ -120,15 +120,15 @@ def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float] | No
                 break
     else:
         return w
-    best, best_value = None, 0.0
+    best, best_value = [0.0] * n, 0.0        # every weight pinned: feasible, objective 0
     for mask in range(1, 1 << n):
         s = _solve_on(a, b, [i for i in range(n) if mask >> i & 1])
         if s is None or min(s) < 0.0:
             continue
         value = sum(s[i] * (sum(a[i][j] * s[j] for j in range(n)) / 2 - b[i]) for i in range(n))
-        if best is None or value < best_value:
+        if value < best_value:
             best, best_value = s, value
-    return best if best is not None else [0.0] * n
+    return best
 
 
 def _solve_on(a: list[list[float]], b: list[float], free: list[int]) -> list[float] | None:
