@@ -343,5 +343,10 @@ class DriverCore:
                 exported = True
 
     def _export(self) -> None:
-        if self._exporter is not None:
+        if self._exporter is None:
+            return
+        try:
             self._exporter.update(self.metrics())
+        except Exception as e:  # noqa: BLE001 - metrics must not stop the serving
+            # Raised here, it ended the step loop: every request then waited for ever.
+            self._last_error = f"metrics export: {type(e).__name__}: {e}"

@@ -1,0 +1,43 @@
+"""The driver's step loop outlives what goes wrong around it."""
+
+from __future__ import annotations
+
+from specray_testing import hf_greedy
+from runtime.config import RuntimeConfig
+from runtime.driver import DriverCore
+from scheduler.sampling_params import SamplingParams
+
+
+class BrokenExporter:
+    """A metrics exporter that fails every update (as a metrics agent that went away
+    would): before the fix, the step loop died with it and every request waited for ever."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def due(self) -> bool:
+        return True
+
+    def update(self, metrics: dict) -> None:
+        self.calls += 1
+        raise KeyError("num_stopped_proposals")
+
+
+def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
+    t, d = llama_pair
+    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32"), backend="local")
+    drv._exporter = exporter = BrokenExporter()
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    try:
+        first = drv.wait(drv.submit(prompts, [SamplingParams(max_tokens=12, temperature=0.0)] * 2).request_ids,
+                         timeout=120)
+        again = drv.wait(drv.submit(prompts[:1], [SamplingParams(max_tokens=5, temperature=0.0)]).request_ids,
+                         timeout=120)
+        status = drv.metrics()
+    finally:
+        drv.shutdown()
+    assert [o.token_ids for o in first] == hf_greedy(t, prompts, 12)
+    assert list(again[0].token_ids) == hf_greedy(t, prompts[:1], 5)[0]
+    assert exporter.calls > 1
+    assert "metrics export: KeyError" in status["last_error"]
