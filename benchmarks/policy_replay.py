@@ -24,6 +24,9 @@ deterministic, which makes most of a run replayable:
   every round, as a server would, and a policy's fit to one prompt stops passing for
   skill.
 
+Drafts' early stops (``SpeculationPolicy.min_reach``) are not replayed: the table holds
+no draft probabilities, so every proposal runs its full planned length here.
+
 The surface is the weak part: it is a model, not the machine, so the replay ranks changes
 to how the policy reads acceptance (trust in a sequence's record, how levels compare)
 far better than it predicts absolute tokens/s. It is also kinder to the cost model than

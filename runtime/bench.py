@@ -39,6 +39,7 @@ class BenchSettings:
     # Each repeat's batch of b takes the next b held-out prompts, so batch 1 meets a new
     # text every repeat (see ``batch_prompts``).
     rotate_prompts: bool = False
+    draft_early_stop: bool = False            # the adaptive draft runs' drafts stop early
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
@@ -223,6 +224,7 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]], max_m
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
             num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
             max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+            draft_early_stop=s.draft_early_stop and proposer == "draft" and policy == "adaptive",
             colocate=s.colocate,
             compiled_graph=s.compiled_graph, **shares))
 

@@ -48,7 +48,8 @@ def cmd_bench(args) -> int:
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
-                      compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts)
+                      compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
+                      draft_early_stop=args.draft_early_stop)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--rotate-prompts", action="store_true",
                    help="each repeat serves the next held-out prompts (batch 1: a new text every repeat) "
                         "instead of the same ones")
+    b.add_argument("--draft-early-stop", action="store_true",
+                   help="the adaptive runs' drafts stop where one more proposal would not pay")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

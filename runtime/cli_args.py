@@ -32,6 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="static", choices=["static", "adaptive"],
                    help="speculation policy: fixed k, or per-sequence k_i chosen for goodput")
     p.add_argument("--disable-by-batch-size", type=int, default=None)
+    p.add_argument("--draft-early-stop", action="store_true",
+                   help="with --policy adaptive: drafts stop where one more proposal would not pay")
     p.add_argument("--colocate", action="store_true",
                    help="run draft and target inside the driver's actor (one process, no hops per step)")
     p.add_argument("--compiled-graph", action="store_true",
@@ -69,5 +71,6 @@ def runtime_config(args, **extra):
         draft_resources=args.draft_resources, target_resources=args.target_resources,
         placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout,
         ray_address=args.ray_address,
-        speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size, colocate=args.colocate,
+        speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size,
+        draft_early_stop=args.draft_early_stop, colocate=args.colocate,
         compiled_graph=args.compiled_graph, **extra)

@@ -83,7 +83,7 @@ class DriverCore:
             num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
             use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, speculation_policy=config.speculation_policy,
-            disable_by_batch_size=config.disable_by_batch_size)
+            disable_by_batch_size=config.disable_by_batch_size, draft_early_stop=config.draft_early_stop)
         bs = config.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,

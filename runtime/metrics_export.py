@@ -25,6 +25,7 @@ COUNTERS = {
     "num_emitted_tokens": "tokens emitted",
     "num_steps": "steps run",
     "num_spec_off_steps": "steps in which no sequence speculated",
+    "num_stopped_proposals": "planned proposals not made: the draft stopped where they would not pay",
     "num_preemptions": "sequences preempted",
     "num_requests_finished": "requests finished",
 }

@@ -18,7 +18,7 @@ skipped, but their rows still count, since the target receives whole probability
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.messages import Proposals
 
@@ -28,6 +28,8 @@ class MergedProposals:
     token_ids: list[int]       # [n * k], -1 padded
     proposal_lens: list[int]   # [n]
     draft_rows: list[int]      # [n]
+    # seq id -> the draft's probability of each of its proposals, where a draft reported them
+    confidence: dict[int, list[float]] = field(default_factory=dict)
 
 
 def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> MergedProposals:
@@ -37,6 +39,7 @@ def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> Merg
     rows = [-1] * n
     where = {sid: i for i, sid in enumerate(seq_ids)}
     row_offset = 0
+    confidence: dict[int, list[float]] = {}
     for shard in shards:
         if shard.k != k:
             raise ValueError(f"shard proposed with k={shard.k}, the step uses k={k}")
@@ -47,8 +50,10 @@ def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> Merg
             length = shard.proposal_lens[r]
             lens[i] = length
             tokens[i * k:i * k + length] = shard.token_ids[r * k:r * k + length]
+            if shard.confidence and length:
+                confidence[sid] = shard.confidence[r * k:r * k + length]
             if shard.has_probs and length:
                 rows[i] = row_offset + r
         if shard.has_probs:
             row_offset += len(shard.seq_ids)
-    return MergedProposals(tokens, lens, rows)
+    return MergedProposals(tokens, lens, rows, confidence)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+REACH_BINS = 10                  # deciles of the draft's probability (StepPlan.reach_map)
 
 
 class ProtocolError(ValueError):
@@ -48,6 +49,13 @@ class StepPlan:
     pool reserved it. For the target, ``proposal_token_ids`` is ``[n, k]`` flattened with
     ``-1`` padding past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row
     in the draft probabilities (``-1``: a deterministic proposal, e.g. n-gram).
+
+    For the draft, ``min_reach[i]`` (empty: none) lets a sequence stop proposing before
+    ``proposal_lens[i]``: once the chance that all its proposals so far are accepted falls
+    below it, a further proposal would not pay for its pass. That chance is the product,
+    over its proposals, of ``reach_map`` at the decile of the draft's probability of each
+    (``reach_map[b]``: how often a proposal drawn with probability in ``[b/10, (b+1)/10)``
+    has been accepted; empty: the probability itself).
     """
 
     step_id: int = _scalar(int, 0)
@@ -65,6 +73,8 @@ class StepPlan:
     top_p: list[float] = _packed("d")
     seeds: list[int] = _packed("q")
     free_seq_ids: list[int] = _packed("q")
+    min_reach: list[float] = _packed("d")
+    reach_map: list[float] = _packed("d")
 
     @property
     def num_seqs(self) -> int:
@@ -93,13 +103,20 @@ class StepPlan:
         _expect(all(0.0 < p <= 1.0 for p in self.top_p), "StepPlan.top_p must be in (0, 1]")
         _expect(all(x >= 0 for x in self.top_k), "StepPlan.top_k must be >= 0")
         _expect(all(r >= -1 for r in self.draft_rows), "StepPlan.draft_rows must be >= -1")
+        _expect(len(self.min_reach) in (0, n), f"StepPlan.min_reach has {len(self.min_reach)} entries for {n} sequences")
+        _expect(all(0.0 <= x <= 1.0 for x in self.min_reach), "StepPlan.min_reach must be in [0, 1]")
+        _expect(len(self.reach_map) in (0, REACH_BINS),
+                f"StepPlan.reach_map has {len(self.reach_map)} entries, expected {REACH_BINS} or none")
+        _expect(all(0.0 <= x <= 1.0 for x in self.reach_map), "StepPlan.reach_map must be in [0, 1]")
 
 
 @dataclass
 class Proposals:
     """Draft tokens for the sequences of one draft plan: ``token_ids`` is ``[n, k]``
     flattened, ``-1`` past ``proposal_lens[i]`` (which may be shorter than planned when a
-    proposer finds nothing to propose)."""
+    proposer finds nothing to propose, or a draft stopped early, see ``StepPlan.min_reach``).
+    ``confidence`` (empty unless the plan asked for early stops) is ``[n, k]`` flattened:
+    the draft's probability of each proposal, 0 past ``proposal_lens[i]``."""
 
     step_id: int = _scalar(int, 0)
     k: int = _scalar(int, 0)
@@ -108,6 +125,7 @@ class Proposals:
     seq_ids: list[int] = _packed("q")
     proposal_lens: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
+    confidence: list[float] = _packed("d")
 
     def validate(self) -> None:
         n = len(self.seq_ids)
@@ -117,6 +135,9 @@ class Proposals:
                 f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
         _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Proposals.proposal_lens outside [0, k]")
         _expect(0.0 <= self.compute_s < float("inf"), "Proposals.compute_s must be finite and >= 0")
+        _expect(len(self.confidence) in (0, n * self.k),
+                f"Proposals.confidence has {len(self.confidence)} entries, expected {n * self.k} or none")
+        _expect(all(0.0 <= x <= 1.0 for x in self.confidence), "Proposals.confidence must be in [0, 1]")
 
 
 @dataclass

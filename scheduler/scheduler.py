@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192   # prefill budget per step for newly admitted work
     speculation_policy: str = "static"   # "static" | "adaptive" (goodput-based, per sequence)
     disable_by_batch_size: int | None = None
+    draft_early_stop: bool = False       # adaptive: drafts stop where a proposal stops paying
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -66,6 +67,8 @@ class ScheduledStep:
     lost_drafts: set[int] = field(default_factory=set)                # draft workers that failed this step
     lost_targets: set[int] = field(default_factory=set)               # target workers that failed this step
     call_s: float = 0.0                                               # draft + verify calls' wall time
+    # seq id -> the draft's probability of each of its proposals (drafts that stop early)
+    draft_confidence: dict[int, list[float]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -83,7 +86,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecStats(k=self.k)
-        self.policy = SpeculationPolicy(config.speculation_policy, self.k, config.disable_by_batch_size)
+        self.policy = SpeculationPolicy(config.speculation_policy, self.k, config.disable_by_batch_size,
+                                        stop_early=config.draft_early_stop)
         self._step_id = 0
         # Frees the workers have not been told about yet; they travel with the next plan.
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
@@ -284,6 +288,15 @@ class Scheduler:
                     d_plans[d] = StepPlan(step_id=sid, k=k_step)
                 _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
                 d_seqs[d].append(seq)
+        if self.policy.kind == "adaptive" and self.policy.stop_early and any(d_plans):
+            # Floors under which a draft stops proposing early (see SpeculationPolicy).
+            floors = {s.seq_id: self.policy.min_reach(s.acceptance) for s, k in batch if k > 1}
+            if any(floors.values()):
+                reach_map = self.policy.reach_map()
+                for plan in d_plans:
+                    if plan is not None:
+                        plan.min_reach = [floors.get(sid, 0.0) for sid in plan.seq_ids]
+                        plan.reach_map = list(reach_map)
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):
@@ -329,6 +342,8 @@ class Scheduler:
         plan.proposal_token_ids = merged.token_ids
         plan.proposal_lens = merged.proposal_lens
         plan.draft_rows = merged.draft_rows
+        if merged.confidence:
+            step.draft_confidence.update(merged.confidence)
 
     def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
         """Feed measured call times to the policy's cost model (only an adaptive policy
@@ -343,7 +358,9 @@ class Scheduler:
         self.policy.cost.observe_target(len(step.seqs), fed, proposed, longest, verify_s)
         if draft_s is not None:
             dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
-            ks = [s.step_k for s in step.seqs]
+            # The passes the drafts ran: fewer than chosen where one stopped early.
+            made = {sid: n for p in plans if p.proposal_token_ids for sid, n in zip(p.seq_ids, p.proposal_lens)}
+            ks = [made.get(s.seq_id, s.step_k) for s in step.seqs]
             self.policy.cost.observe_draft(len(ks), max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
 
     # -- results -------------------------------------------------------------------
@@ -387,9 +404,11 @@ class Scheduler:
                 seq.num_draft_tokens += proposed
                 seq.num_accepted_tokens += n_acc
                 if self.k:
-                    self.policy.observe(seq.acceptance, proposed, n_acc)
+                    self.policy.observe(seq.acceptance, proposed, n_acc, step.draft_confidence.get(seq.seq_id))
                     self.stats.record_positions(proposed, n_acc)
                 drafted += proposed
+                if seq.seq_id in step.draft_confidence:
+                    self.stats.num_stopped_proposals += seq.step_k - proposed
                 accepted += n_acc
                 emitted_total += n_emit
                 out.append((seq, self._append(seq, emitted)))

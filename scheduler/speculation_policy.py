@@ -17,6 +17,14 @@ plus the cheapest way to reach depth m); the level whose best choice is best win
 may be level 0: speculation off when verifying extra tokens costs more than they return
 (large batches).
 
+With ``stop_early`` (off by default: see the README for what it measured) the chosen
+``k_i`` are caps. While drafting, a sequence stops proposing once the chance that all its
+proposals so far are accepted (the draft's probability of each, calibrated against what
+the target accepted: scheduler.draft_confidence) times its rate falls below the
+break-even gain of one more proposal: the model's goodput of the chosen level times what
+one more proposal costs (a verified token, and a draft pass shared by the sequences
+drafting). No rate sees which proposals the draft is unsure of.
+
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
 draft's recent rate across sequences already speaks for it); each failed probe doubles the wait
@@ -53,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
+from scheduler.draft_confidence import ConfidenceCalibration
 from scheduler.goodput_switch import GoodputSwitch
 from scheduler.level_choice import LevelChoices
 from scheduler.level_correction import LevelCorrection
@@ -81,6 +90,8 @@ class SpeculationPolicy:
     depth: DepthCalibration = field(default_factory=DepthCalibration)
     spread: RateSpread = field(default_factory=RateSpread)
     levels: LevelCorrection = field(default_factory=LevelCorrection)
+    stop_early: bool = False         # adaptive: drafts stop where proposing stops paying
+    confidence: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
     # (batch bucket, level) -> (trial slots it waits between trials, the slot it is next
@@ -90,6 +101,9 @@ class SpeculationPolicy:
     # (n, seconds, level) the model expects of the last choice; None when its price was
     # not measured yet (see observe_step)
     _expected: tuple[int, float, int] | None = None
+    # Expected tokens one more proposal must bring to pay for itself this step (0: no
+    # early stops), see min_reach.
+    _break_even: float = 0.0
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
     # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
@@ -108,6 +122,7 @@ class SpeculationPolicy:
         draft's window allow) and acceptance estimate; ``fed_tokens``: tokens the batch
         feeds the target besides proposals."""
         n = len(caps)
+        self._break_even = 0.0
         if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
             return [0] * n
         if self.kind == "static":
@@ -153,7 +168,25 @@ class SpeculationPolicy:
         # The final choice's price, for the switch and the level correction to check.
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level)
                           if self.cost.fitted(n, any(chosen)) else None)
+        if self.stop_early and level:
+            drafting = sum(1 for k in chosen if k)
+            self._break_even = per_level.rates[level] * (price.per_token + price.per_pass / drafting)
         return chosen
+
+    def min_reach(self, estimate: AcceptanceEstimate) -> float:
+        """The floor under which this sequence's draft stops proposing this step
+        (``StepPlan.min_reach``): one more proposal gains about (the chance that all so far
+        are accepted) x (its rate), and must gain the break-even. 0: never stop."""
+        if not self._break_even:
+            return 0.0
+        rate = estimate.assumed_rate
+        if rate is None:       # a newcomer: no choice of this step rated it
+            rate = self._rates([estimate])[0]
+        return min(1.0, self._break_even / rate) if rate > 0 else 1.0
+
+    def reach_map(self) -> list[float]:
+        """The draft probability's calibration for the draft workers (``StepPlan.reach_map``)."""
+        return self.confidence.reach_map()
 
     def fresh_k(self, cap: int, num_seqs: int = 1) -> int:
         """The k for ``num_seqs`` new sequences arriving together into an empty batch, as
@@ -191,7 +224,12 @@ class SpeculationPolicy:
         the same step. The catch-up is paid once when speculation resumes; left in, it made
         the switch's every trial of speculation after a stretch of plain decoding look
         slower than speculating runs (in the bench, batch 1 then decoded plain for most of
-        its steps: 1.6 accepted tokens per step against static k's 4.0)."""
+        its steps: 1.6 accepted tokens per step against static k's 4.0).
+
+        The step is judged against the price of the choice, not of the proposals made:
+        drafts that stop early make a step cheaper than chosen, and that saving is what
+        the switch and the level correction should credit speculation, and each level,
+        with (a level whose drafts often stop is worth more than its full price says)."""
         expected, self._expected = self._expected, None
         if not (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs
                 and expected is not None and expected[0] == num_seqs):
@@ -203,8 +241,10 @@ class SpeculationPolicy:
             if proposed:
                 self.levels.observe(num_seqs, expected[2], seconds, expected[1])
 
-    def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int) -> None:
-        """One sequence-step's outcome, for that sequence's estimate and the overall one."""
+    def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int,
+                confidence: list[float] | None = None) -> None:
+        """One sequence-step's outcome, for that sequence's estimate and the overall one;
+        ``confidence``: the draft's probability of each proposal, when it reported them."""
         if proposed and estimate.steps_without_proposal >= (estimate.quiet_limit or self.probe_interval):
             # This was a probe: back off after a failure, come back fully after a success.
             limit = estimate.quiet_limit or self.probe_interval
@@ -216,6 +256,8 @@ class SpeculationPolicy:
             rate = estimate.assumed_rate
             self.depth.observe(self._rates([estimate])[0] if rate is None else rate, proposed, accepted,
                                estimate.last_full)
+            if confidence:
+                self.confidence.observe(confidence, accepted)
         estimate.assumed_rate = None
         estimate.observe(proposed, accepted, self.decay)
         if proposed:

@@ -25,6 +25,7 @@ class SpecStats:
     num_draft_calls: int = 0
     schedule_s: float = 0.0
     num_spec_off_steps: int = 0      # steps in which no sequence proposed (k > 0 configured)
+    num_stopped_proposals: int = 0   # planned proposals a draft did not make: it stopped early
     num_draft_worker_failures: int = 0
     num_target_worker_failures: int = 0
     last_mean_k: float = 0.0
@@ -97,6 +98,7 @@ class SpecStats:
             # worker calls.
             "driver_overhead_s": overhead,
             "num_spec_off_steps": self.num_spec_off_steps,
+            "num_stopped_proposals": self.num_stopped_proposals,
             "num_draft_worker_failures": self.num_draft_worker_failures,
             "num_target_worker_failures": self.num_target_worker_failures,
             "mean_k": self.last_mean_k,

@@ -4,6 +4,13 @@ All k passes run inside one ``propose`` call (the seed's TP1DraftModelRunner goa
 pass's sampled tokens feed the next pass straight from the device tensor, the host only
 builds position and slot metadata (which it knows in advance), and proposals come back to
 the host once, at the end.
+
+Unless the plan sets ``min_reach``: then each pass also tells the host which sequences
+go on, one small copy per pass. A sequence stops once the estimated chance that all its
+proposals so far are accepted (the product of ``reach_map`` at its proposals' draft
+probabilities) falls below its floor: the pass its next proposal needs would cost more
+than that proposal is likely to return. Which sequence stops where depends only on
+proposals already drawn, so the rejection sampler's output stays the target's.
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ class DraftWorker(ModelWorker):
         seeds = r.to_device(plan.seeds)
         greedy = r.to_device([not s for s in sampled_rows], torch.bool)
         seq_len = [c + f for c, f in zip(plan.num_computed, plan.num_new)]            # L_i
+        stops = any(plan.min_reach)
+        if stops:
+            lens = list(lens)
+            conf = torch.zeros(n, k, device=dev)                                       # [n, k]
+            reach = torch.ones(n, device=dev)                                          # [n]
+            floor = r.to_device(plan.min_reach, torch.float32)
+            reach_map = r.to_device(plan.reach_map, torch.float32) if plan.reach_map else None
 
         # Pass 0 catches each sequence up (prefill, or the tokens it has not seen yet).
         rows = list(range(n))
@@ -59,6 +73,7 @@ class DraftWorker(ModelWorker):
             else:
                 idx = torch.arange(n, device=dev)
             tok = logits.argmax(dim=-1)
+            q = None
             if any_sampled and any(sampled_rows[i] for i in rows):
                 q = logits_to_probs(logits, temps[idx], [plan.top_k[i] for i in rows],
                                     [plan.top_p[i] for i in rows])                    # [m, V]
@@ -67,8 +82,39 @@ class DraftWorker(ModelWorker):
                 tok = torch.where(greedy[idx], tok, drawn)
                 probs[idx, p] = q
             proposals[idx, p] = tok
+            if stops:
+                lens = self._stop_early(lens, rows, p, logits, tok, q, greedy[idx], idx, conf, reach, floor, reach_map)
         # Rows planned with k_i = 0 still ran pass 0; their token is not a proposal.
         proposals[r.to_device([i for i in range(n) if lens[i] == 0])] = -1
         token_ids = proposals.flatten().tolist()
+        confidence = []
+        if stops:
+            # Past a sequence's stop its later passes never ran: nothing to report there.
+            width = torch.arange(k, device=dev)[None, :] < r.to_device(lens)[:, None]
+            confidence = conf.where(width, 0.0).flatten().clamp(0.0, 1.0).tolist()
         return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
-                         seq_ids=list(plan.seq_ids), proposal_lens=list(lens), token_ids=token_ids), probs
+                         seq_ids=list(plan.seq_ids), proposal_lens=list(lens), token_ids=token_ids,
+                         confidence=confidence), probs
+
+    @staticmethod
+    def _stop_early(lens: list[int], rows: list[int], p: int, logits: torch.Tensor, tok: torch.Tensor,
+                    q: torch.Tensor | None, greedy: torch.Tensor, idx: torch.Tensor, conf: torch.Tensor,
+                    reach: torch.Tensor, floor: torch.Tensor, reach_map: torch.Tensor | None) -> list[int]:
+        """After pass ``p``: record each row's draft probability of its proposal, update
+        its reach, and cut ``lens`` of the rows whose reach fell below their floor (they
+        keep this proposal: it was drawn before the stop was decided)."""
+        c = torch.softmax(logits.float(), dim=-1).gather(1, tok[:, None])[:, 0]   # [m]
+        if q is not None:
+            # A sampling row drew from its warped distribution: its probability is there.
+            c = torch.where(greedy, c, q.gather(1, tok[:, None])[:, 0])
+        conf[idx, p] = c
+        if reach_map is not None:
+            c = reach_map[(c * len(reach_map)).long().clamp(0, len(reach_map) - 1)]
+        reach[idx] *= c
+        if not any(lens[i] > p + 1 for i in rows):
+            return lens      # every row's last pass: nothing to decide, no copy to wait for
+        stop = (reach[idx] < floor[idx]).tolist()
+        for i, s in zip(rows, stop):
+            if s and lens[i] > p + 1:
+                lens[i] = p + 1
+        return lens

@@ -1,6 +1,8 @@
-"""The driver's step loop outlives what goes wrong around it."""
+"""DriverCore: its step loop outlives what goes wrong around it, and the options it wires."""
 
 from __future__ import annotations
+
+import pytest
 
 from specray_testing import hf_greedy
 from runtime.config import RuntimeConfig
@@ -41,3 +43,34 @@ def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
     assert list(again[0].token_ids) == hf_greedy(t, prompts[:1], 5)[0]
     assert exporter.calls > 1
     assert "metrics export: KeyError" in status["last_error"]
+
+
+def test_drafts_that_stop_early_keep_greedy_output_exact(llama_pair):
+    """``draft_early_stop``: the adaptive policy hands each draft a floor from its cost
+    model, the real draft worker stops there and reports its probabilities; outputs stay
+    transformers' greedy ones."""
+    t, d = llama_pair
+    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu",
+                                   dtype="float32", speculation_policy="adaptive", draft_early_stop=True),
+                     backend="local")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    try:
+        outs = drv.wait(drv.submit(prompts, [SamplingParams(max_tokens=40, temperature=0.0)] * 3).request_ids,
+                        timeout=300)
+        policy = drv.scheduler.policy
+        m = drv.metrics()
+    finally:
+        drv.shutdown()
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts, 40)
+    assert policy.stop_early and policy.confidence.observations > 0
+    assert m["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"draft_early_stop": True}, "needs speculation_policy='adaptive'"),
+    ({"draft_early_stop": 1, "speculation_policy": "adaptive"}, "must be True or False"),
+])
+def test_draft_early_stop_is_refused_where_it_cannot_work(llama_pair, changes, match):
+    t, d = llama_pair
+    with pytest.raises(ValueError, match=match):
+        RuntimeConfig(target=t, draft=d, **changes)

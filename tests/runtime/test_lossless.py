@@ -19,6 +19,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
+from scheduler.speculation_policy import SpeculationPolicy
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5]
@@ -110,3 +111,65 @@ def test_first_two_tokens_follow_the_target(tiny_vocab_pair, temperature, top_k)
     if top_k:
         allowed = {c for c, p in p_target.items() if p > 0}
         assert set(counts) <= allowed
+
+
+class StopsEarly(SpeculationPolicy):
+    """Proposes k wherever it can, like static k, but every draft stops once the draft's
+    probability of its proposals so far (uncalibrated) falls below ``floor``: the early
+    stop is all that is on trial. Adaptive by kind, as only an adaptive policy asks
+    drafts to stop."""
+
+    def __init__(self, k: int, floor: float) -> None:
+        super().__init__("adaptive", k, stop_early=True)
+        self.floor = floor
+
+    def choose(self, caps, estimates, fed_tokens):
+        return list(caps)
+
+    def fresh_k(self, cap, num_seqs=1):
+        return cap
+
+    def min_reach(self, estimate):
+        return self.floor
+
+    def reach_map(self):
+        return []
+
+
+def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
+    """Where a draft stops depends only on what it already proposed (the draft's
+    probability of each token), so the first two tokens still follow the target's
+    distribution whether the second was proposed or sampled from the target. The floor
+    splits the draft's first token in about half by probability mass: a rule that also
+    dropped the token that crossed it (biased: a kept first token would no longer be a
+    draw from the draft) fails here."""
+    target, draft = tiny_vocab_pair
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    with torch.no_grad():
+        q = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1].double(), -1).tolist()
+    ranked = sorted(q)
+    below = 0.0
+    for lo, hi in zip(ranked, ranked[1:]):
+        below += lo
+        if below >= 0.35:
+            floor = (lo + hi) / 2
+            break
+    cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
+                        dtype="float32", max_num_seqs=N, max_num_batched_tokens=N * len(PROMPT), max_pending=N, seed=12)
+    drv = DriverCore(cfg, backend="local")
+    drv.scheduler.policy = StopsEarly(2, floor)
+    try:
+        # Three tokens, so the first step may propose two (one token is kept for the bonus),
+        # and every request is admitted in that step.
+        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=3, temperature=1.0)] * N)
+        assert reply.error is None
+        outs = drv.wait(reply.request_ids, timeout=600)
+        m = drv.metrics()
+    finally:
+        drv.shutdown()
+    stopped = sum(p for p in q if p < floor)
+    assert 0.3 < stopped < 0.7
+    assert m["num_stopped_proposals"] == pytest.approx(stopped * N, rel=0.1)
+    counts = Counter(tuple(o.token_ids[:2]) for o in outs)
+    assert chi2_pvalue(counts, exact_joint(target, 1.0, 0)) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(draft, 1.0, 0)) < 1e-6

@@ -152,7 +152,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, -1, 2**40, "2", None, True, [2], b"\x02"])
+@pytest.mark.parametrize("version", [0, 2, 4, -1, 2**40, "3", None, True, [3], b"\x03"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version
@@ -161,7 +161,7 @@ def test_wrong_protocol_version(version):
 
 def test_float_protocol_version_is_rejected():
     obj = raw(make_result())
-    obj[0] = 2.0
+    obj[0] = 3.0
     assert_protocol_error(pack(obj), match="version")
 
 
@@ -380,7 +380,7 @@ def test_packed_encoding_has_no_per_item_overhead():
             nbytes = ITEMSIZE[code] * len(getattr(p, f.name))
             payload += nbytes
             fixed.append(b"\x00" * nbytes)
-    # exactly the fixed-width payload plus msgpack's framing of 15 fields
+    # exactly the fixed-width payload plus msgpack's framing of 17 fields
     assert len(encode(p)) == len(pack([PROTOCOL_VERSION, "StepPlan", fixed]))
     assert len(encode(p)) - payload < 64
 
@@ -392,11 +392,11 @@ def test_packed_encoding_beats_plain_lists_for_64bit_fields():
     p = big_plan()
     values = dict(zip([f.name for f in fields(StepPlan)], raw(p)[2]))
     wide = [f.name for f in fields(StepPlan) if f.metadata.get("pack") in ("q", "d")]
-    assert sorted(wide) == ["free_seq_ids", "seeds", "seq_ids", "temperature", "top_p"]
+    assert sorted(wide) == ["free_seq_ids", "min_reach", "reach_map", "seeds", "seq_ids", "temperature", "top_p"]
     packed = sum(len(pack(values[name])) for name in wide)
     lists = sum(len(pack(getattr(p, name))) for name in wide)
     items = sum(len(getattr(p, name)) for name in wide)
     assert items == 4 * 64
-    assert packed == 8 * items + 3 * 4 + 2      # bin16 headers for 512-byte fields, bin8 for empty
-    assert lists == 9 * items + 3 * 4 + 1       # array16 headers, fixarray for empty
+    assert packed == 8 * items + 3 * 4 + 2 * 3  # bin16 headers for 512-byte fields, bin8 for the 3 empty
+    assert lists == 9 * items + 3 * 4 + 1 * 3   # array16 headers, fixarray for empty
     assert packed < lists

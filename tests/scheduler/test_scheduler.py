@@ -23,6 +23,7 @@ any plan that still trusts what it held fails the ``num_computed`` check above.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,6 +36,7 @@ from scheduler.merge import merge_proposals
 from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from scheduler.speculation_policy import SpeculationPolicy
 from scheduler.sequence import Sequence, SequenceStatus
 
 V = 97
@@ -399,6 +401,7 @@ class Engine:
 
     def propose(self, step: ScheduledStep, truth: dict[int, list[int]]) -> None:
         proposed: dict[int, list[int]] = {}
+        confidence: dict[int, list[float]] = {}
         shards: list[Proposals] = []
         for d, dplan in enumerate(step.draft_plans):
             if dplan is None:
@@ -418,12 +421,21 @@ class Engine:
                     k_i = self.shorten(sid, len(histories[i]), k_i)
                     assert 0 <= k_i <= plan.proposal_lens[i]
                 hist = histories[i]
-                props = []
+                props, conf = [], []
                 for _ in range(k_i):
                     t = true_next(hist + props)
-                    if self.draft_wrong(sid, len(hist) + len(props)):
+                    wrong = self.draft_wrong(sid, len(hist) + len(props))
+                    if wrong:
                         t = (t + 1) % V
                     props.append(t)
+                    # A well-informed fake draft: unsure exactly where it is wrong. Like
+                    # DraftWorker it stops once the product falls below its floor.
+                    conf.append(0.3 if wrong else 0.9)
+                    if plan.min_reach and math.prod(conf) < plan.min_reach[i]:
+                        break
+                k_i = len(props)
+                if plan.min_reach:
+                    confidence[sid] = conf
                 # the draft ran its first k_i - 1 proposals through the model: they are in its KV
                 worker.cache[sid].extend(props[:k_i - 1])
                 assert len(worker.cache[sid]) <= worker.blocks.num_slots(sid)
@@ -435,9 +447,10 @@ class Engine:
             for j in range(self.num_shards):
                 part = rows[j::self.num_shards]
                 toks = [t for _, p in part for t in p + [-1] * (k - len(p))]
+                conf = [c for sid, p in part for c in confidence[sid] + [0.0] * (k - len(p))] if confidence else []
                 shards.append(Proposals(step_id=plan.step_id, k=k, has_probs=self.probs and j % 2 == 0,
                                         seq_ids=[s for s, _ in part], proposal_lens=[len(p) for _, p in part],
-                                        token_ids=toks))
+                                        token_ids=toks, confidence=conf))
         # every target rank gets all shards, in scrambled order: other ranks' rows are skipped
         shards = [decode(encode(s), expected=Proposals) for s in reversed(shards)]
         prob_rows = [sid for s in shards if s.has_probs for sid in s.seq_ids]
@@ -1703,3 +1716,67 @@ def test_the_policy_hears_how_much_the_draft_caught_up_on():
     assert calls[first][1] == seen[first] - 1        # everything it skipped, less the steady token
     assert all(c <= 1 for _, c in calls[first + 1:])  # then one or two tokens per step
     assert len(calls) > first + 2
+
+
+class FloorPolicy(SpeculationPolicy):
+    """k wherever possible, and every draft asked to stop below a fixed floor."""
+
+    def __init__(self, k: int, floor: float) -> None:
+        super().__init__("adaptive", k, stop_early=True)
+        self.floor = floor
+        self.reports: list[tuple[int, int, list[float] | None]] = []
+
+    def choose(self, caps, estimates, fed_tokens):
+        return list(caps)
+
+    def fresh_k(self, cap, num_seqs=1):
+        return cap
+
+    def min_reach(self, estimate):
+        return self.floor
+
+    def observe(self, estimate, proposed, accepted, confidence=None):
+        self.reports.append((proposed, accepted, confidence))
+        super().observe(estimate, proposed, accepted, confidence)
+
+
+def test_drafts_that_stop_early_keep_outputs_and_bookkeeping_exact():
+    """The drafts get floors (sequences planned more than one proposal) and the reach map;
+    where they stop, the driver counts what they cached from what they proposed, the
+    policy hears each proposal's reported probability, and the stops are counted."""
+    eng = build(k=4)
+    pol = eng.sched.policy = FloorPolicy(4, floor=0.5)
+    plans = []
+    eng.on_plan = lambda step: plans.extend(p for p in step.draft_plans if p is not None and p.seq_ids)
+    ref = add_requests(eng, MIXED)
+    eng.run()
+    assert_matches_reference(eng, ref)
+    for plan in plans:
+        if any(k > 1 for k in plan.proposal_lens):
+            assert plan.min_reach == [0.5 if k > 1 else 0.0 for k in plan.proposal_lens]
+            assert len(plan.reach_map) == 10
+        else:    # one proposal each: nothing to stop
+            assert plan.min_reach == [] and plan.reach_map == []
+    planned = sum(sum(p.proposal_lens) for p in plans)
+    plans = [p for p in plans if p.min_reach]
+    # Nothing was reported before the first step: a calibrated draft's map.
+    assert plans[0].reach_map == pytest.approx([(b + 0.5) / 10 for b in range(10)])
+    assert plans[-1].reach_map != plans[0].reach_map
+    reported = [r for r in pol.reports if r[2] is not None]
+    assert len(reported) > 50 and all(len(conf) == n for n, _, conf in reported)
+    # 0.9 x 0.9 stays above the floor, 0.3 does not: a draft stops at its first miss.
+    assert all(conf[:-1] == [0.9] * (n - 1) for n, _, conf in reported)
+    st = eng.sched.stats
+    assert st.num_stopped_proposals > 0
+    assert st.num_stopped_proposals == planned - st.num_draft_tokens
+    assert pol.confidence.observations == len(reported)
+
+
+def test_a_static_policy_never_asks_drafts_to_stop():
+    eng = build(k=4)
+    plans = []
+    eng.on_plan = lambda step: plans.extend(p for p in step.draft_plans if p is not None and p.seq_ids)
+    add_requests(eng, MIXED[:6])
+    eng.run()
+    assert plans and all(not p.min_reach and not p.reach_map for p in plans)
+    assert eng.sched.stats.num_stopped_proposals == 0

@@ -271,3 +271,43 @@ def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
     p.cost.target.set_weights([1e-3, 0.0, 1e-6, 1e-6, 0.0])
     assert p.choose([4, 4], good, fed_tokens=2) == [4, 4]
     assert len(calls) == 5
+
+
+def test_drafts_stop_where_one_more_proposal_stops_paying_for_itself():
+    """The floor handed to a sequence's draft: the break-even gain of one more proposal
+    (the chosen choice's expected tokens per second times what one more proposal costs:
+    a verified token and a pass shared by the drafting sequences), over the chance that
+    the sequence's next proposal is accepted once reached (its rate)."""
+    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=2e-5, d_pass=3e-4), stop_early=True)
+    good, fair = est(50, 1), est(30, 10)
+    ks = p.choose([4, 4], [good, fair], fed_tokens=2)
+    assert all(ks)
+    price = p.cost.price(2, 2)
+    rates = [good.assumed_rate, fair.assumed_rate]
+    tokens = 2 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+    break_even = tokens / price.time(sum(ks), max(ks)) * (price.per_token + price.per_pass / 2)
+    assert p.min_reach(good) == pytest.approx(break_even / rates[0])
+    assert p.min_reach(fair) == pytest.approx(break_even / rates[1])
+    assert p.min_reach(fair) > p.min_reach(good)
+    # A newcomer, rated by the draft's recent record across sequences.
+    newcomer = AcceptanceEstimate()
+    assert p.min_reach(newcomer) == pytest.approx(break_even / p._rates([newcomer])[0])
+
+    # With speculation off there is nothing to stop; nor for a policy told not to stop.
+    assert p.choose([4] * 256, [est(6, 4)] * 256, fed_tokens=256) == [0] * 256
+    assert p.min_reach(good) == 0.0
+    calm = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=2e-5, d_pass=3e-4))   # the default
+    assert calm.choose([4, 4], [good, fair], fed_tokens=2) == ks and calm.min_reach(good) == 0.0
+    static = SpeculationPolicy("static", 4)
+    static.choose([4, 4], [good, fair], fed_tokens=2)
+    assert static.min_reach(good) == 0.0
+
+
+def test_the_calibration_learns_from_what_the_drafts_report():
+    p = SpeculationPolicy("adaptive", 4)
+    e = est(5, 5)
+    for _ in range(50):
+        p.observe(e, 3, 1, confidence=[0.95, 0.15, 0.15])
+    m = p.reach_map()
+    assert m[9] > 0.95 and m[1] < 0.05
+    assert p.confidence.observations == 50
