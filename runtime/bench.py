@@ -39,7 +39,7 @@ class BenchSettings:
     # Each repeat's batch of b takes the next b held-out prompts, so batch 1 meets a new
     # text every repeat (see ``batch_prompts``).
     rotate_prompts: bool = False
-    draft_early_stop: bool = False            # the adaptive draft runs' drafts stop early
+    draft_early_stop: bool = True             # the adaptive draft runs' drafts stop early at batch 1
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--rotate-prompts", action="store_true",
                    help="each repeat serves the next held-out prompts (batch 1: a new text every repeat) "
                         "instead of the same ones")
-    b.add_argument("--draft-early-stop", action="store_true",
-                   help="the adaptive runs' drafts stop where one more proposal would not pay")
+    b.add_argument("--no-draft-early-stop", dest="draft_early_stop", action="store_false",
+                   help="the adaptive runs' drafts propose their whole k_i at batch 1 (no early stops)")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

@@ -32,8 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="static", choices=["static", "adaptive"],
                    help="speculation policy: fixed k, or per-sequence k_i chosen for goodput")
     p.add_argument("--disable-by-batch-size", type=int, default=None)
-    p.add_argument("--draft-early-stop", action="store_true",
-                   help="with --policy adaptive: drafts stop where one more proposal would not pay")
+    p.add_argument("--no-draft-early-stop", dest="draft_early_stop", action="store_false",
+                   help="with --policy adaptive: a request alone proposes its whole k_i (no early stops)")
     p.add_argument("--colocate", action="store_true",
                    help="run draft and target inside the driver's actor (one process, no hops per step)")
     p.add_argument("--compiled-graph", action="store_true",

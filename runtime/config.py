@@ -42,7 +42,7 @@ class RuntimeConfig:
     ngram_min: int = 1
     speculation_policy: str = "static"      # "static" | "adaptive" (per-sequence k_i by goodput)
     disable_by_batch_size: int | None = None # no speculation once this many sequences run
-    draft_early_stop: bool = False           # adaptive: drafts stop where one more proposal would not pay
+    draft_early_stop: bool = True            # adaptive, batch 1: the draft stops where a proposal would not pay
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -86,9 +86,6 @@ class RuntimeConfig:
             _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if not isinstance(self.draft_early_stop, bool):
             raise ValueError(f"draft_early_stop must be True or False, got {self.draft_early_stop!r}")
-        if self.draft_early_stop and (self.speculation_policy != "adaptive" or self.proposer != "draft"):
-            raise ValueError("draft_early_stop needs speculation_policy='adaptive' and proposer='draft' "
-                             "(its floors come from the adaptive policy's cost model)")
         if self.compiled_graph and self.colocate:
             raise ValueError("compiled_graph needs worker actors; colocate=True runs the workers in the driver")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -43,7 +43,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192   # prefill budget per step for newly admitted work
     speculation_policy: str = "static"   # "static" | "adaptive" (goodput-based, per sequence)
     disable_by_batch_size: int | None = None
-    draft_early_stop: bool = False       # adaptive: drafts stop where a proposal stops paying
+    draft_early_stop: bool = True        # adaptive, batch 1: the draft stops where a proposal stops paying
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

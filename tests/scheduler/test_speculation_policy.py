@@ -273,34 +273,37 @@ def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
     assert len(calls) == 5
 
 
-def test_drafts_stop_where_one_more_proposal_stops_paying_for_itself():
-    """The floor handed to a sequence's draft: the break-even gain of one more proposal
-    (the chosen choice's expected tokens per second times what one more proposal costs:
-    a verified token and a pass shared by the drafting sequences), over the chance that
-    the sequence's next proposal is accepted once reached (its rate)."""
-    p = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=2e-5, d_pass=3e-4), stop_early=True)
-    good, fair = est(50, 1), est(30, 10)
-    ks = p.choose([4, 4], [good, fair], fed_tokens=2)
-    assert all(ks)
-    price = p.cost.price(2, 2)
-    rates = [good.assumed_rate, fair.assumed_rate]
-    tokens = 2 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
-    break_even = tokens / price.time(sum(ks), max(ks)) * (price.per_token + price.per_pass / 2)
-    assert p.min_reach(good) == pytest.approx(break_even / rates[0])
-    assert p.min_reach(fair) == pytest.approx(break_even / rates[1])
-    assert p.min_reach(fair) > p.min_reach(good)
-    # A newcomer, rated by the draft's recent record across sequences.
+def test_a_sequence_alone_proposes_to_its_cap_and_its_draft_stops_where_proposing_stops_paying():
+    """Alone in the batch a sequence proposes up to its cap: its draft's stop prices each
+    proposal, knowing the draft's doubts, where the rate-based choice would stop short.
+    Its floor is the break-even gain of one more proposal (the best level's expected
+    tokens per second times a pass and a verified token) over its rate."""
+    def cost():
+        return controlled_cost(t_tok=1e-4, d_pass=4e-4)
+
+    p = SpeculationPolicy("adaptive", 4, cost=cost())
+    calm = SpeculationPolicy("adaptive", 4, cost=cost(), stop_early=False)
+    planned = calm.choose([4], [est(6, 4)], fed_tokens=1)
+    assert 0 < planned[0] < 4                       # the rate alone would stop short
+    fair = est(6, 4)
+    assert p.choose([4], [fair], fed_tokens=1) == [4]
+    assert calm.min_reach(fair) == 0.0
+    price = p.cost.price(1, 1)
+    a = fair.assumed_rate
+    best = max((1 + sum(a ** j for j in range(1, m + 1))) / price.time(m, m) for m in range(1, 5))
+    break_even = best * (price.per_token + price.per_pass)
+    assert p.min_reach(fair) == pytest.approx(break_even / a)
+    # A newcomer is rated by the draft's recent record across sequences.
     newcomer = AcceptanceEstimate()
     assert p.min_reach(newcomer) == pytest.approx(break_even / p._rates([newcomer])[0])
 
-    # With speculation off there is nothing to stop; nor for a policy told not to stop.
-    assert p.choose([4] * 256, [est(6, 4)] * 256, fed_tokens=256) == [0] * 256
-    assert p.min_reach(good) == 0.0
-    calm = SpeculationPolicy("adaptive", 4, cost=controlled_cost(t_tok=2e-5, d_pass=3e-4))   # the default
-    assert calm.choose([4, 4], [good, fair], fed_tokens=2) == ks and calm.min_reach(good) == 0.0
+    # In a batch a pass is shared and the rule misprices it: the rate-based choice, no stops.
+    assert p.choose([4, 4], [est(6, 4), est(6, 4)], fed_tokens=2) == calm.choose([4, 4], [est(6, 4), est(6, 4)], 2)
+    assert p.min_reach(fair) == 0.0
+    # Nor with speculation off, nor for a static policy.
+    assert p.choose([4], [est(0, 50)], fed_tokens=1) == [0] and p.min_reach(fair) == 0.0
     static = SpeculationPolicy("static", 4)
-    static.choose([4, 4], [good, fair], fed_tokens=2)
-    assert static.min_reach(good) == 0.0
+    assert static.choose([4], [fair], fed_tokens=1) == [4] and static.min_reach(fair) == 0.0
 
 
 def test_the_calibration_learns_from_what_the_drafts_report():
