@@ -382,7 +382,7 @@ class Scheduler:
                     if not 1 <= n_emit <= proposed + 1:
                         raise ValueError(f"sequence {seq.seq_id} emitted {n_emit} tokens for {proposed} proposals")
         out = []
-        drafted = accepted = emitted_total = 0
+        drafted = accepted = emitted_total = longest = 0
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
             if not seqs or r in step.lost_targets:
                 continue
@@ -407,6 +407,7 @@ class Scheduler:
                     self.policy.observe(seq.acceptance, proposed, n_acc, step.draft_confidence.get(seq.seq_id))
                     self.stats.record_positions(proposed, n_acc)
                 drafted += proposed
+                longest = max(longest, proposed)
                 if seq.seq_id in step.draft_confidence:
                     self.stats.num_stopped_proposals += seq.step_k - proposed
                 accepted += n_acc
@@ -417,7 +418,7 @@ class Scheduler:
             fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
             # Beyond the one token per drafting sequence that the step's price assumes.
             catch_up = sum(sum(p.num_new) - len(p.seq_ids) for p in step.draft_plans if p is not None)
-            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds, catch_up)
+            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds, catch_up, longest)
             self.policy.cost.observe_overhead(len(out), seconds - step.call_s)
         self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
         for seq, _ in out:

@@ -25,8 +25,8 @@ proposal: the model's goodput of the chosen level times what one more proposal c
 pass and a verified token). No rate sees which proposals the draft is unsure of, and at
 batch 1 no policy built on rates can beat the best fixed k by more than about 1 % on the
 built-in pair (its acceptance is not bursty, and a 64-token request is too short to
-learn its own best k); in ``specray bench`` at batch 1 (32 prompts, two runs each) this
-took adaptive from 0.97 / 0.88 of static k to 1.03 / 0.97. In a larger batch the stops
+learn its own best k); in ``specray bench`` at batch 1 (32 prompts) adaptive ran 0.88-0.97
+of static k in three runs without this and 0.96-1.03 in five with it. In a larger batch the stops
 are not used: a pass is shared, the rule above misprices it, and they measured 3-9 %
 lower at batch 32.
 
@@ -70,7 +70,7 @@ from scheduler.draft_confidence import ConfidenceCalibration
 from scheduler.goodput_switch import GoodputSwitch
 from scheduler.level_choice import LevelChoices
 from scheduler.level_correction import LevelCorrection
-from scheduler.step_cost import StepCostModel, batch_bucket
+from scheduler.step_cost import StepCostModel, StepPrice, batch_bucket
 
 POLICIES = ("static", "adaptive")
 
@@ -106,6 +106,7 @@ class SpeculationPolicy:
     # (n, seconds, level) the model expects of the last choice; None when its price was
     # not measured yet (see observe_step)
     _expected: tuple[int, float, int] | None = None
+    _expected_price: StepPrice | None = None     # ... and the price it came from
     # Expected tokens one more proposal must bring to pay for itself this step (0: no
     # early stops), see min_reach.
     _break_even: float = 0.0
@@ -179,6 +180,7 @@ class SpeculationPolicy:
         # The final choice's price, for the switch and the level correction to check.
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level)
                           if self.cost.fitted(n, any(chosen)) else None)
+        self._expected_price = price
         if alone:
             self._break_even = per_level.rates[level] * (price.per_token + price.per_pass)
         return chosen
@@ -215,7 +217,7 @@ class SpeculationPolicy:
         return max(per_level.ks(best))
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,
-                     draft_catch_up: int = 0) -> None:
+                     draft_catch_up: int = 0, longest: int | None = None) -> None:
         """A whole step's outcome, for the on/off switch and the level correction (which
         counts only steps that ran a level the policy chose). Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
@@ -236,10 +238,11 @@ class SpeculationPolicy:
         slower than speculating runs (in the bench, batch 1 then decoded plain for most of
         its steps: 1.6 accepted tokens per step against static k's 4.0).
 
-        The step is judged against the price of the choice, not of the proposals made:
-        drafts that stop early make a step cheaper than chosen, and that saving is what
-        the switch and the level correction should credit speculation, and each level,
-        with (a level whose drafts often stop is worth more than its full price says)."""
+        ``proposed`` and ``longest`` (None: as chosen) are what the drafts proposed: a
+        draft that stopped early made a cheaper step than the one chosen, and it is priced
+        as made. Priced as chosen, a bad draft's stops (one proposal where four were
+        chosen) made every trial of speculation look faster than the model expects, and
+        the switch kept trying it."""
         expected, self._expected = self._expected, None
         if not (self.kind == "adaptive" and num_seqs and fed_tokens <= 2 * num_seqs
                 and expected is not None and expected[0] == num_seqs):
@@ -247,9 +250,12 @@ class SpeculationPolicy:
         if draft_catch_up > 0:
             seconds -= self.cost.draft_fed_price(num_seqs) * draft_catch_up
         if seconds > 0:
-            self.switch.observe(num_seqs, proposed > 0, emitted, seconds, expected[1])
+            predicted = expected[1]
+            if longest is not None and self._expected_price is not None:
+                predicted = self._expected_price.time(proposed, longest)
+            self.switch.observe(num_seqs, proposed > 0, emitted, seconds, predicted)
             if proposed:
-                self.levels.observe(num_seqs, expected[2], seconds, expected[1])
+                self.levels.observe(num_seqs, expected[2], seconds, predicted)
 
     def observe(self, estimate: AcceptanceEstimate, proposed: int, accepted: int,
                 confidence: list[float] | None = None) -> None:

@@ -1703,7 +1703,7 @@ def test_the_policy_hears_how_much_the_draft_caught_up_on():
     pol.choose = lambda caps, est, fed: [0] * len(caps) if len(calls) < 4 else list(caps)
     observe_step = pol.observe_step
 
-    def record(num_seqs, fed, proposed, emitted, seconds, draft_catch_up=0):
+    def record(num_seqs, fed, proposed, emitted, seconds, draft_catch_up=0, longest=None):
         calls.append((proposed, draft_catch_up))
         observe_step(num_seqs, fed, proposed, emitted, seconds, draft_catch_up)
     pol.observe_step = record
