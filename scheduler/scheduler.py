@@ -288,7 +288,7 @@ class Scheduler:
                     d_plans[d] = StepPlan(step_id=sid, k=k_step)
                 _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
                 d_seqs[d].append(seq)
-        if self.policy.kind == "adaptive" and self.policy.stop_early and any(d_plans):
+        if self.policy.stopping and any(d_plans):
             # Floors under which a draft stops proposing early (see SpeculationPolicy).
             floors = {s.seq_id: self.policy.min_reach(s.acceptance) for s, k in batch if k > 1}
             if any(floors.values()):

@@ -185,6 +185,11 @@ class SpeculationPolicy:
             self._break_even = per_level.rates[level] * (price.per_token + price.per_pass)
         return chosen
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the last choice's drafts get floors (see min_reach)."""
+        return self._break_even > 0
+
     def min_reach(self, estimate: AcceptanceEstimate) -> float:
         """The floor under which this sequence's draft stops proposing this step
         (``StepPlan.min_reach``): one more proposal gains about (the chance that all so far

@@ -7,7 +7,36 @@ import os
 import random
 from pathlib import Path
 
+from scheduler.speculation_policy import SpeculationPolicy
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class FixedFloorPolicy(SpeculationPolicy):
+    """Proposes every cap, like static k, and asks every draft to stop below a fixed
+    floor: the early stop alone is on trial. Adaptive by kind, as only an adaptive policy
+    asks drafts to stop. ``raw``: the reach is the draft's own probability, uncalibrated."""
+
+    def __init__(self, k: int, floor: float, raw: bool = False) -> None:
+        super().__init__("adaptive", k)
+        self.floor = floor
+        self.raw = raw
+
+    @property
+    def stopping(self) -> bool:
+        return True
+
+    def choose(self, caps, estimates, fed_tokens):
+        return list(caps)
+
+    def fresh_k(self, cap, num_seqs=1):
+        return cap
+
+    def min_reach(self, estimate):
+        return self.floor
+
+    def reach_map(self):
+        return [] if self.raw else super().reach_map()
 
 def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
               heads: int = 4, kv_heads: int = 2, max_len: int = 256, draft_max_len: int | None = None,

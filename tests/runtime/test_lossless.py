@@ -16,10 +16,10 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
+from specray_testing import FixedFloorPolicy
 from runtime.config import RuntimeConfig
 from runtime.driver import DriverCore
 from scheduler.sampling_params import SamplingParams
-from scheduler.speculation_policy import SpeculationPolicy
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5]
@@ -113,29 +113,6 @@ def test_first_two_tokens_follow_the_target(tiny_vocab_pair, temperature, top_k)
         assert set(counts) <= allowed
 
 
-class StopsEarly(SpeculationPolicy):
-    """Proposes k wherever it can, like static k, but every draft stops once the draft's
-    probability of its proposals so far (uncalibrated) falls below ``floor``: the early
-    stop is all that is on trial. Adaptive by kind, as only an adaptive policy asks
-    drafts to stop."""
-
-    def __init__(self, k: int, floor: float) -> None:
-        super().__init__("adaptive", k, stop_early=True)
-        self.floor = floor
-
-    def choose(self, caps, estimates, fed_tokens):
-        return list(caps)
-
-    def fresh_k(self, cap, num_seqs=1):
-        return cap
-
-    def min_reach(self, estimate):
-        return self.floor
-
-    def reach_map(self):
-        return []
-
-
 def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
     """Where a draft stops depends only on what it already proposed (the draft's
     probability of each token), so the first two tokens still follow the target's
@@ -157,7 +134,7 @@ def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
                         dtype="float32", max_num_seqs=N, max_num_batched_tokens=N * len(PROMPT), max_pending=N, seed=12)
     drv = DriverCore(cfg, backend="local")
-    drv.scheduler.policy = StopsEarly(2, floor)
+    drv.scheduler.policy = FixedFloorPolicy(2, floor, raw=True)
     try:
         # Three tokens, so the first step may propose two (one token is kept for the bonus),
         # and every request is admitted in that step.

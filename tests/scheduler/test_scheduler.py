@@ -36,8 +36,8 @@ from scheduler.merge import merge_proposals
 from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from scheduler.speculation_policy import SpeculationPolicy
 from scheduler.sequence import Sequence, SequenceStatus
+from specray_testing import FixedFloorPolicy
 
 V = 97
 
@@ -1718,22 +1718,12 @@ def test_the_policy_hears_how_much_the_draft_caught_up_on():
     assert len(calls) > first + 2
 
 
-class FloorPolicy(SpeculationPolicy):
-    """k wherever possible, and every draft asked to stop below a fixed floor."""
+class FloorPolicy(FixedFloorPolicy):
+    """A fixed floor, and every outcome it hears kept."""
 
     def __init__(self, k: int, floor: float) -> None:
-        super().__init__("adaptive", k, stop_early=True)
-        self.floor = floor
+        super().__init__(k, floor)
         self.reports: list[tuple[int, int, list[float] | None]] = []
-
-    def choose(self, caps, estimates, fed_tokens):
-        return list(caps)
-
-    def fresh_k(self, cap, num_seqs=1):
-        return cap
-
-    def min_reach(self, estimate):
-        return self.floor
 
     def observe(self, estimate, proposed, accepted, confidence=None):
         self.reports.append((proposed, accepted, confidence))
