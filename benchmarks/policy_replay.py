@@ -25,7 +25,8 @@ deterministic, which makes most of a run replayable:
   skill.
 
 Drafts' early stops (``SpeculationPolicy.min_reach``) are not replayed: the table holds
-no draft probabilities, so every proposal runs its full planned length here.
+no draft probabilities, so replayed adaptive policies run with ``stop_early`` off (the
+rate-based choice at every batch size), unlike specray's default at batch 1.
 
 The surface is the weak part: it is a model, not the machine, so the replay ranks changes
 to how the policy reads acceptance (trust in a sequence's record, how levels compare)
@@ -282,7 +283,10 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
 def policy_factory(kwargs: dict):
     """A factory of adaptive policies with ``kwargs``; a dotted key sets a field of a
     component, e.g. ``{"levels.prior_steps": 4.0, "switch.explore_every": 32}``."""
-    top = {key: v for key, v in kwargs.items() if "." not in key}
+    # The table holds no draft probabilities, so drafts cannot stop early here: a policy
+    # that counts on them (a sequence alone proposing up to its cap) would replay as
+    # static k. Replayed policies choose by rates alone unless a variant says otherwise.
+    top = {"stop_early": False, **{key: v for key, v in kwargs.items() if "." not in key}}
     parts: dict[str, dict] = {}
     for key, v in kwargs.items():
         if "." in key:

@@ -103,10 +103,9 @@ class SpeculationPolicy:
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
     _level_trials: dict = field(default_factory=dict)
     _trial: tuple[int, int, int] | None = None
-    # (n, seconds, level) the model expects of the last choice; None when its price was
-    # not measured yet (see observe_step)
-    _expected: tuple[int, float, int] | None = None
-    _expected_price: StepPrice | None = None     # ... and the price it came from
+    # (n, seconds, level, price) the model expects of the last choice; None when its price
+    # was not measured yet (see observe_step)
+    _expected: tuple[int, float, int, StepPrice] | None = None
     # Expected tokens one more proposal must bring to pay for itself this step (0: no
     # early stops), see min_reach.
     _break_even: float = 0.0
@@ -158,10 +157,13 @@ class SpeculationPolicy:
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
         level = 0
+        alone = self.stop_early and n == 1
         if best and self.switch.speculate(n, per_level.rates[best], per_level.rates[0]):
-            level = self._explore_levels(n, best, per_level)
+            # A sequence alone proposes up to its cap whatever the level: a trial of
+            # another level would run the same step, priced at that level's goodput.
+            level = best if alone else self._explore_levels(n, best, per_level)
+        alone = alone and level > 0
         chosen = per_level.ks(level)
-        alone = self.stop_early and level and n == 1
         if alone:
             # Alone in the batch, the draft's passes are its own: each proposal costs a pass
             # and a verified token, and the stop below prices them one by one, knowing the
@@ -178,9 +180,8 @@ class SpeculationPolicy:
                         and e.steps_without_proposal >= (e.quiet_limit or self.probe_interval)):
                     chosen[i] = 1
         # The final choice's price, for the switch and the level correction to check.
-        self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level)
+        self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level, price)
                           if self.cost.fitted(n, any(chosen)) else None)
-        self._expected_price = price
         if alone:
             self._break_even = per_level.rates[level] * (price.per_token + price.per_pass)
         return chosen
@@ -255,9 +256,7 @@ class SpeculationPolicy:
         if draft_catch_up > 0:
             seconds -= self.cost.draft_fed_price(num_seqs) * draft_catch_up
         if seconds > 0:
-            predicted = expected[1]
-            if longest is not None and self._expected_price is not None:
-                predicted = self._expected_price.time(proposed, longest)
+            predicted = expected[1] if longest is None else expected[3].time(proposed, longest)
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, predicted)
             if proposed:
                 self.levels.observe(num_seqs, expected[2], seconds, predicted)

@@ -77,7 +77,7 @@ def _run(policy: SpeculationPolicy, steps: int, cheap_level: int) -> list[int]:
     levels = []
     for _ in range(steps):
         ks = policy.choose([4] * 4, batch, fed_tokens=4)
-        n, seconds, level = policy._expected
+        n, seconds, level = policy._expected[:3]
         policy.observe_step(4, 4, sum(ks), 4 + sum(ks) // 2, seconds * (0.6 if max(ks) == cheap_level else 1.0))
         levels.append(max(ks))
     return levels
