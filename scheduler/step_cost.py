@@ -27,10 +27,13 @@ class LinearFit:
     prediction for every ordinary step off by their squared size.
 
     The normal equations are kept as running sums (a sample leaving the window is
-    subtracted), and solved lazily when a prediction needs fresh weights: an observation
-    costs O(features^2) on the step loop, not a pass over the window. The ridge weighs
-    like ``ridge`` samples at each feature's typical size, so it decides only what the
-    data do not."""
+    subtracted): an observation costs O(features^2) on the step loop, not a pass over the
+    window. They are solved again once an eighth of the window is new (at least 4
+    samples), not on every step: a full window moves little with one more sample, and each
+    solve is several small eliminations in Python (early on, a solve per step was half of
+    choose() at batch 1). ``version`` counts solves, so what is derived from the weights
+    can be kept until they change. The ridge weighs like ``ridge`` samples at each
+    feature's typical size, so it decides only what the data do not."""
 
     def __init__(self, num_features: int, window: int = 256, prior: list[float] | None = None,
                  ridge: float = 0.01, relative: bool = False) -> None:
@@ -44,29 +47,46 @@ class LinearFit:
         self._xtx = [[0.0] * num_features for _ in range(num_features)]
         self._xty = [0.0] * num_features
         self._dirty = 0                  # samples added since the last solve
+        self.version = 0
 
-    def add(self, x: list[float], y: float) -> None:
+    def add(self, x: list[float], y: float) -> bool:
+        """Add a sample; True when the weights were solved again."""
         self._accumulate(x, y, 1.0)
         self.samples.append((x, y))
         if len(self.samples) > self.window:
             self._accumulate(*self.samples.popleft(), -1.0)
         self._dirty += 1
+        count = len(self.samples)
+        # The first solve comes as soon as there are enough samples (BucketedFit then
+        # calls the fit ready).
+        if count >= 2 * self.n and (self._dirty >= max(4, count // 8) or count == 2 * self.n):
+            self._solve()
+            return True
+        return False
 
     def _accumulate(self, x: list[float], y: float, sign: float) -> None:
         if self.relative and y > 0:
             sign /= y * y
-        for i in range(self.n):
-            self._xty[i] += sign * x[i] * y
-            row = self._xtx[i]
-            for j in range(self.n):
-                row[j] += sign * x[i] * x[j]
+        # Zero features add nothing; most steps have some (no proposals when speculation is
+        # off), and this runs twice per fit on every step.
+        xtx, xty = self._xtx, self._xty
+        for i, xi in enumerate(x):
+            if not xi:
+                continue
+            s = sign * xi
+            xty[i] += s * y
+            row = xtx[i]
+            for j, xj in enumerate(x):
+                if xj:
+                    row[j] += s * xj
 
     @property
     def weights(self) -> list[float]:
-        # A full window moves little with one more sample: solve after every 1/32nd of
-        # it (and at least every 4 samples), not on every step (each solve is several
-        # small eliminations in Python: early on they were half of choose() at batch 1).
-        if self._dirty and len(self.samples) >= 2 * self.n and self._dirty >= max(4, len(self.samples) // 32):
+        return self._weights
+
+    def solve(self) -> list[float]:
+        """The weights over every sample in the window now, not as of the last solve."""
+        if self._dirty:
             self._solve()
         return self._weights
 
@@ -75,6 +95,7 @@ class LinearFit:
 
     def _solve(self) -> None:
         self._dirty = 0
+        self.version += 1
         count = len(self.samples)
         a = [row[:] for row in self._xtx]
         b = list(self._xty)
@@ -177,6 +198,7 @@ class BucketedFit:
         self.window = window
         self.fits: dict[int, LinearFit] = {}
         self.given = False
+        self.version = 0                 # moves whenever a prediction or fitted() may change
 
     def _ready(self, b: int) -> LinearFit | None:
         fit = self.fits.get(b)
@@ -193,7 +215,9 @@ class BucketedFit:
             near = self._nearest(b)
             prior = near.weights if near is not None else self.prior
             fit = self.fits[b] = LinearFit(self.n, self.window, prior=prior, relative=True)
-        fit.add(x, y)
+            self.version += 1
+        if fit.add(x, y):
+            self.version += 1
 
     def fitted(self, num_seqs: int, any_bucket: bool = False) -> bool:
         """Whether predictions at this batch size are measured (with ``any_bucket``, at
@@ -219,6 +243,7 @@ class BucketedFit:
         self.prior = list(weights)
         self.fits.clear()
         self.given = True
+        self.version += 1
 
 
 @dataclass
@@ -234,6 +259,9 @@ class StepCostModel:
     target: BucketedFit = field(default_factory=lambda: BucketedFit(5, prior=[1e-3, 1e-5, 1e-4, 1e-4, 1e-5]))
     draft: BucketedFit = field(default_factory=lambda: BucketedFit(4, prior=[5e-4, 1e-4, 1e-5, 1e-5]))
     overhead: BucketedFit = field(default_factory=lambda: BucketedFit(2, prior=[2e-4, 2e-5]))
+    # The last price and what it was computed from: a policy asks for the same batch's
+    # price every step, and the weights change only every few dozen steps.
+    _price: tuple | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def target_features(num_seqs: int, fed: int, proposed: int, max_k: int) -> list[float]:
@@ -267,14 +295,19 @@ class StepCostModel:
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy
         weighing many proposals for the same batch evaluates, without a fit lookup each."""
+        key = (num_seqs, fed_tokens, self.target.version, self.draft.version, self.overhead.version)
+        if self._price is not None and self._price[0] == key:
+            return self._price[1]
         n = float(num_seqs)
         tw, dw, ow = self.target.weights(num_seqs), self.draft.weights(num_seqs), self.overhead.weights(num_seqs)
-        return StepPrice(
+        price = StepPrice(
             plain=tw[0] + tw[1] * n + tw[2] * fed_tokens + ow[0] + ow[1] * n,
             # In steady decoding a drafting sequence feeds the draft about one token.
             speculating=dw[0] + dw[2] * n,
             per_pass=dw[1] + tw[4] * n,
             per_token=tw[3] + dw[3])
+        self._price = (key, price)
+        return price
 
     def draft_fed_price(self, num_seqs: int) -> float:
         """Seconds per token the draft is fed, at this batch size."""

@@ -24,12 +24,12 @@ def test_linear_fit_keeps_weights_non_negative_by_refitting_without_them():
     # y falls with the last feature: the best non-negative fit drops it and refits the rest.
     for n in range(1, 40):
         fit.add([1.0, n, n % 5], 0.001 + 0.0002 * n - 0.0001 * (n % 5))
-    w = fit.weights
+    w = fit.solve()
     assert w[2] == 0.0 and min(w) >= 0.0
     free = LinearFit(2)
     for n in range(1, 40):
         free.add([1.0, n], 0.001 + 0.0002 * n - 0.0001 * (n % 5))
-    assert w[:2] == pytest.approx(free.weights, rel=1e-6)
+    assert w[:2] == pytest.approx(free.solve(), rel=1e-6)
 
 
 def _objective(a, b, w) -> float:
@@ -96,6 +96,7 @@ def test_relative_fit_is_not_dragged_by_a_few_slow_samples():
             fit.add([1.0, x], 0.010 + 0.001 * x)
         for _ in range(3):
             fit.add([1.0, 2.0], 0.6)
+        fit.solve()
     ordinary = 0.012
     assert abs(relative.predict([1.0, 2.0]) - ordinary) / ordinary < 0.1
     assert abs(plain.predict([1.0, 2.0]) - ordinary) / ordinary > 1.0
@@ -133,18 +134,41 @@ def test_step_time_prices_passes_padding_and_tokens():
     assert all_long - one_long == pytest.approx(124 * 1e-5)
 
 
-def test_the_fit_is_solved_lazily_but_never_more_than_a_few_samples_stale():
-    fit = LinearFit(2)
-    for n in range(1, 11):
-        fit.add([1.0, n], 0.001 + 0.0001 * n)
-    assert fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
-    # The cost doubles. Three more samples leave the solved weights as they were (a solve
-    # per step was half of choose()'s time at batch 1); the fourth brings a new solve.
-    for n in range(11, 14):
-        fit.add([1.0, n], 0.002 + 0.0002 * n)
-    assert fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
-    fit.add([1.0, 14], 0.002 + 0.0002 * 14)
-    assert fit.weights[1] > 0.0001
+def test_the_fit_is_solved_again_once_an_eighth_of_its_window_is_new():
+    fit = LinearFit(2, window=64)
+    fit.add([1.0, 1.0], 0.0011)
+    fit.add([1.0, 2.0], 0.0012)
+    fit.add([1.0, 3.0], 0.0013)
+    assert fit.version == 0 and fit.weights == [0.0, 0.0]
+    fit.add([1.0, 4.0], 0.0014)                 # 2 per feature: solved at once
+    assert fit.version == 1 and fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
+    for n in range(5, 65):
+        fit.add([1.0, n % 9], 0.001 + 0.0001 * (n % 9))
+    assert fit.solve() == pytest.approx([0.001, 0.0001], rel=1e-6)
+    # The cost doubles. Seven more samples leave the weights as they were (a solve per
+    # step was half of choose()'s time at batch 1); the eighth of a full window of 64
+    # brings a new solve.
+    version = fit.version
+    for n in range(7):
+        assert not fit.add([1.0, n], 0.002 + 0.0002 * n)
+    assert fit.version == version and fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
+    assert fit.add([1.0, 7.0], 0.002 + 0.0002 * 7)
+    assert fit.version == version + 1 and fit.weights[1] > 0.0001
+
+
+def test_a_price_is_kept_until_the_weights_or_the_batch_change():
+    c = StepCostModel()
+    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 1e-4])
+    first = c.price(4, 4)
+    assert c.price(4, 4) is first
+    assert c.price(4, 8).plain == pytest.approx(first.plain + 4e-5)
+    c.target.set_weights([2e-3, 0.0, 1e-5, 1e-5, 1e-4])       # behind the model's back
+    assert c.price(4, 4).plain == pytest.approx(first.plain + 1e-3)
+    for _ in range(2 * len(StepCostModel.target_features(1, 1, 1, 1))):
+        c.observe_target(4, 4, 0, 0, 0.01)
+    # A new bucket's fit, once solved, prices its batch from its own samples.
+    assert c.price(4, 4).plain == pytest.approx(0.01 + c.overhead.weights(4)[0] + 4 * c.overhead.weights(4)[1],
+                                                rel=1e-3)
 
 
 def test_a_batch_size_counts_as_measured_once_its_own_bucket_is_and_the_draft_anywhere():
