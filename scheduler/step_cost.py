@@ -262,6 +262,7 @@ class StepCostModel:
     # The last price and what it was computed from: a policy asks for the same batch's
     # price every step, and the weights change only every few dozen steps.
     _price: tuple | None = field(default=None, repr=False, compare=False)
+    _fitted: tuple | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def target_features(num_seqs: int, fed: int, proposed: int, max_k: int) -> list[float]:
@@ -289,8 +290,11 @@ class StepCostModel:
         mostly on its passes, and a bad draft speculates at a batch size only in the
         switch's trials: its own bucket would take dozens of them to fill, and until
         then no trial would count."""
-        return (self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
-                and (not speculating or self.draft.fitted(num_seqs, any_bucket=True)))
+        key = (num_seqs, speculating, self.target.version, self.draft.version, self.overhead.version)
+        if self._fitted is None or self._fitted[0] != key:
+            self._fitted = (key, self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
+                            and (not speculating or self.draft.fitted(num_seqs, any_bucket=True)))
+        return self._fitted[1]
 
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy
