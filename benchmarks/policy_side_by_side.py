@@ -11,7 +11,12 @@ its own runs: static k, adaptive, and plain decoding (static with speculation di
 at batch 1, so the draft is never called). Runs go policy by policy within each repeat
 and batch size, in an order rotated per repeat, so machine noise hits them alike.
 Reports median tokens/s and the min-max spread per (batch, policy), and each one's
-ratio to the best other: of medians, and within each repeat (median, min-max).
+ratio to the best other: of medians, and within each repeat (median, min-max). Then, per
+(batch, policy), where a step's time went (ms per step over all its runs): scheduling
+(the policy's choice included), the draft's and the target's calls, and the rest of the
+step (merge and update, the policy's bookkeeping included). Those figures come from
+the same steps the ratios do and move far less with the machine's noise: what a policy's
+own Python costs a step shows there even when the ratios scatter by 10 %.
 
 Like ``specray bench``, every repeat serves the same prompts: batch 1 is one text, and a
 policy that suits that text (or learns it over the repeats) looks better than it is.
@@ -27,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,6 +73,7 @@ def main() -> None:
                 "none": SpeculationPolicy("static", args.k, disable_by_batch_size=1)}
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     tokens_per_s: dict[tuple[int, str], list[float]] = {}
+    phase_s: dict[tuple[int, str], Counter] = {}
     try:
         warm = held_out_prompts(2)
         drv.wait(drv.submit(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * 2).request_ids, timeout=600)
@@ -79,10 +86,14 @@ def main() -> None:
                 # every time, and that alone moves a comparison by several percent.
                 for name in rotated(names, rep):
                     drv.scheduler.policy = policies[name]
+                    before = drv.metrics()
                     t0 = time.perf_counter()
                     outs = drv.wait(drv.submit(prompts, [params] * b).request_ids, timeout=600)
                     dt = time.perf_counter() - t0
                     tokens_per_s.setdefault((b, name), []).append(sum(len(o.token_ids) for o in outs) / dt)
+                    after = drv.metrics()
+                    phase_s.setdefault((b, name), Counter()).update(
+                        {key: after[key] - before[key] for key in PHASE_KEYS})
     finally:
         drv.shutdown()
 
@@ -100,10 +111,29 @@ def main() -> None:
                          "max": max(v), "vs_best_other": ratio, "within_repeats_vs_best_other": paired})
             print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}   "
                   f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})")
+    print(f"\n{'batch':>5}  {'policy':9} ms per step: {'step':>7} {'schedule':>9} {'draft':>7} {'verify':>7} {'rest':>7}")
+    for row in rows:
+        ms = step_ms(phase_s[(row["batch_size"], row["policy"])])
+        row["step_ms"] = ms
+        print(f"{row['batch_size']:5d}  {row['policy']:9}              {ms['step']:7.3f} {ms['schedule']:9.3f} "
+              f"{ms['draft']:7.3f} {ms['verify']:7.3f} {ms['rest']:7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"random_draft": args.random_draft, "tokens": args.tokens,
                                                "repeats": args.repeats, "rotate_prompts": args.rotate_prompts,
                                                "runs": rows}, indent=2))
+
+
+PHASE_KEYS = ("num_steps", "busy_s", "schedule_s", "draft_compute_s", "verify_compute_s")
+
+
+def step_ms(total: Counter) -> dict[str, float]:
+    """Milliseconds per step from summed metrics deltas. In process the worker calls are
+    their compute: the rest of a step is the driver's own work after scheduling."""
+    steps = max(total["num_steps"], 1)
+    ms = {"step": total["busy_s"], "schedule": total["schedule_s"], "draft": total["draft_compute_s"],
+          "verify": total["verify_compute_s"]}
+    ms["rest"] = ms["step"] - ms["schedule"] - ms["draft"] - ms["verify"]
+    return {key: value / steps * 1e3 for key, value in ms.items()}
 
 
 if __name__ == "__main__":
