@@ -24,9 +24,13 @@ deterministic, which makes most of a run replayable:
   every round, as a server would, and a policy's fit to one prompt stops passing for
   skill.
 
-Drafts' early stops (``SpeculationPolicy.min_reach``) are not replayed: the table holds
-no draft probabilities, so replayed adaptive policies run with ``stop_early`` off (the
-rate-based choice at every batch size), unlike specray's default at batch 1.
+The table also holds the draft's probability of each of those greedy tokens (what a
+draft worker reports as ``Proposals.confidence``), so drafts' early stops replay as the
+worker makes them: where the policy sets floors (``SpeculationPolicy.min_reach``, at
+batch 1 by default), a proposal stops once the product of the calibrated probabilities
+(``reach_map``) falls below its floor, keeping the proposal that crossed it, and the
+policy's calibration learns from the same figures. A table recorded before it held them
+replays adaptive policies with ``stop_early`` off (the rate-based choice everywhere).
 
 The surface is the weak part: it is a model, not the machine, so the replay ranks changes
 to how the policy reads acceptance (trust in a sequence's record, how levels compare)
@@ -58,6 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.acceptance import AcceptanceEstimate  # noqa: E402
+from scheduler.draft_confidence import decile  # noqa: E402
 from scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -67,19 +72,22 @@ MS = 1e-3
 @dataclass
 class AcceptanceTable:
     """Per prompt: its length in tokens and, per output position, how many of the draft's
-    next ``k`` greedy tokens match the target's greedy output from there."""
+    next ``k`` greedy tokens match the target's greedy output from there, and (None in an
+    older table) the draft's probability of each of those ``k`` tokens."""
 
     k: int
     prompt_lens: list[int]
     matches: list[list[int]]
+    confidence: list[list[list[float]]] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"k": self.k, "prompt_lens": self.prompt_lens, "matches": self.matches})
+        return json.dumps({"k": self.k, "prompt_lens": self.prompt_lens, "matches": self.matches,
+                           "confidence": self.confidence})
 
     @classmethod
     def from_json(cls, text: str) -> "AcceptanceTable":
         d = json.loads(text)
-        return cls(d["k"], d["prompt_lens"], d["matches"])
+        return cls(d["k"], d["prompt_lens"], d["matches"], d.get("confidence"))
 
 
 def static_greedy_run(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> list:
@@ -104,19 +112,46 @@ def record(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> A
 
     outs = static_greedy_run(target, draft, prompts, max_tokens, k)
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    matches = []
+    matches, confidence = [], []
     with torch.no_grad():
         for o in outs:
-            out, row = list(o.token_ids), []
+            out, row, conf = list(o.token_ids), [], []
             for p in range(len(out)):
                 x = torch.tensor([list(o.prompt_token_ids) + out[:p]])
-                g = model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False)[0, x.shape[1]:].tolist()
+                gen = model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+                g = gen.sequences[0, x.shape[1]:].tolist()
+                # The draft's probability of each token it proposed, as a draft worker
+                # computes it (softmax of the raw logits).
+                conf.append([round(torch.softmax(logits[0].float(), -1)[t].item(), 6)
+                             for logits, t in zip(gen.logits, g)])
                 n = 0
                 while n < k and p + n < len(out) and g[n] == out[p + n]:
                     n += 1
                 row.append(n)
             matches.append(row)
-    return AcceptanceTable(k, [len(o.prompt_token_ids) for o in outs], matches)
+            confidence.append(conf)
+    return AcceptanceTable(k, [len(o.prompt_token_ids) for o in outs], matches, confidence)
+
+
+def made_proposals(ks: list[int], floors: list[float], reach_map: list[float],
+                   confidence: list[list[float]]) -> list[int]:
+    """What drafts asked for ``ks`` propose under ``floors`` (0: no floor), as the draft
+    worker stops them: after its j-th proposal a row's reach is the product of its
+    proposals' calibrated probabilities (``reach_map`` by decile; the raw probabilities
+    when it is empty), and below the floor the row stops there, keeping the j-th."""
+    made = []
+    for k_i, floor, conf in zip(ks, floors, confidence):
+        m, reach = k_i, 1.0
+        if floor > 0:
+            for j in range(1, k_i):
+                c = conf[j - 1]
+                reach *= reach_map[decile(c)] if reach_map else c
+                if reach < floor:
+                    m = j
+                    break
+        made.append(m)
+    return made
 
 
 @dataclass
@@ -198,7 +233,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
     k = table.k
     adaptive = policy is not None and policy.kind == "adaptive"
     rows = [(first + i) % len(table.matches) for i in range(batch)]
-    seqs = [{"L": table.matches[i], "plen": table.prompt_lens[i], "gen": 0, "lag": table.prompt_lens[i],
+    seqs = [{"row": i, "L": table.matches[i], "plen": table.prompt_lens[i], "gen": 0, "lag": table.prompt_lens[i],
              "est": AcceptanceEstimate(), "proposed": 0, "accepted": 0} for i in rows]
     if any(len(s["L"]) < max_tokens for s in seqs):
         raise ValueError(f"the table holds fewer than max_tokens={max_tokens} positions per prompt")
@@ -217,11 +252,23 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
         if policy is None:
             ks = [0] * n
         elif prefill:
-            # Everyone arrives together into an empty batch: the scheduler's newcomer k.
+            # Everyone arrives together into an empty batch: the scheduler's newcomer k,
+            # after its choice for the nobody running (which also clears the last
+            # batch's floors).
+            if adaptive:
+                policy.choose([], [], 0)
             k0 = policy.fresh_k(k, n) if adaptive else k
             ks = [min(k0, c) for c in caps]
         else:
             ks = policy.choose(caps, [s["est"] for s in live], n)
+        confidence = None
+        if adaptive and table.confidence is not None and policy.stopping:
+            # The scheduler sets floors for proposals of two or more; drafts report their
+            # probabilities whenever a floor is set.
+            floors = [policy.min_reach(s["est"]) if ki > 1 else 0.0 for s, ki in zip(live, ks)]
+            if any(floors):
+                confidence = [table.confidence[s["row"]][s["gen"]] for s in live]
+                ks = made_proposals(ks, floors, policy.reach_map(), confidence)
         proposed, longest = sum(ks), max(ks)
         fed = sum(s["plen"] for s in live) if prefill else n
         fed_draft = sum(s["lag"] for s, ki in zip(live, ks) if ki)
@@ -239,7 +286,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             if t_draft is not None:
                 policy.cost.observe_draft(n, longest, fed_draft, proposed, t_draft)
         emitted = 0
-        for s, ki in zip(live, ks):
+        for i, (s, ki) in enumerate(zip(live, ks)):
             acc = min(ki, s["L"][s["gen"]])
             # What the draft must be fed next time, as the scheduler tracks it: it cached
             # all its proposals but the last; skipped steps leave it further behind.
@@ -249,7 +296,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             s["accepted"] += acc
             emitted += acc + 1
             if policy is not None:
-                policy.observe(s["est"], ki, acc)
+                policy.observe(s["est"], ki, acc, confidence[i][:ki] if confidence and ki else None)
         if adaptive:
             policy.observe_step(n, fed, proposed, emitted, seconds, fed_draft - sum(1 for ki in ks if ki))
             policy.cost.observe_overhead(n, overhead)
@@ -280,13 +327,14 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
     return out
 
 
-def policy_factory(kwargs: dict):
+def policy_factory(kwargs: dict, stops: bool = True):
     """A factory of adaptive policies with ``kwargs``; a dotted key sets a field of a
-    component, e.g. ``{"levels.prior_steps": 4.0, "switch.explore_every": 32}``."""
-    # The table holds no draft probabilities, so drafts cannot stop early here: a policy
-    # that counts on them (a sequence alone proposing up to its cap) would replay as
-    # static k. Replayed policies choose by rates alone unless a variant says otherwise.
-    top = {"stop_early": False, **{key: v for key, v in kwargs.items() if "." not in key}}
+    component, e.g. ``{"levels.prior_steps": 4.0, "switch.explore_every": 32}``.
+    ``stops``: whether the table replays drafts' early stops (it holds their
+    probabilities). Without them a policy that counts on stops (a sequence alone
+    proposing up to its cap) would replay as static k, so its policies choose by rates
+    alone unless a variant says otherwise."""
+    top = {"stop_early": stops, **{key: v for key, v in kwargs.items() if "." not in key}}
     parts: dict[str, dict] = {}
     for key, v in kwargs.items():
         if "." in key:
@@ -337,11 +385,12 @@ def main() -> None:
         print(f"wrote {args.record}: {len(table.matches)} prompts x {args.tokens} positions, mean match {mean:.2f}")
         return
     table = AcceptanceTable.from_json(Path(args.table).read_text())
+    stops = table.confidence is not None
     factories = {"static": lambda: SpeculationPolicy("static", table.k), "none": lambda: None,
-                 "adaptive": policy_factory({"k_max": table.k})}
+                 "adaptive": policy_factory({"k_max": table.k}, stops)}
     for spec in args.variant:
         name, _, kw = spec.partition("=")
-        factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")})
+        factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")}, stops)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, SURFACES[args.surface](),
                        args.noise, rotate=args.rotate_prompts)

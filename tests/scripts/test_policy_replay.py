@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import policy_replay as pr  # noqa: E402
 from runtime.stdlib_corpus import held_out_prompts  # noqa: E402
 from scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+from specray_testing import FixedFloorPolicy  # noqa: E402
 
 TARGET, DRAFT = str(REPO / "models" / "tiny-target"), str(REPO / "models" / "tiny-draft")
 TOKENS = 24
@@ -108,3 +109,53 @@ def test_the_cli_replays_on_either_surface(capsys, monkeypatch, tmp_path):
     # Plain decoding's tokens/s follow the surface: a launch-bound step of a tiny model
     # is several times shorter than this CPU's.
     assert all(g > 2 * c for g, c in zip(plain["launch-bound"], plain["cpu"]))
+
+
+def test_the_table_holds_the_drafts_probability_of_each_token_it_proposed(table):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    outs = pr.static_greedy_run(TARGET, DRAFT, held_out_prompts(1), TOKENS, 4)
+    ctx0 = list(outs[0].prompt_token_ids)
+    for p in (0, 5, TOKENS - 1):
+        ctx = ctx0 + list(outs[0].token_ids[:p])
+        with torch.no_grad():
+            for j in range(4):
+                probs = torch.softmax(model(torch.tensor([ctx])).logits[0, -1].float(), -1)
+                # Greedy: the proposal is the draft's most likely token.
+                assert table.confidence[0][p][j] == pytest.approx(probs.max().item(), abs=1e-5)
+                ctx.append(int(probs.argmax()))
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_replayed_early_stops_propose_and_accept_what_specray_did(table, raw):
+    from runtime.config import RuntimeConfig
+    from runtime.driver import DriverCore
+    from scheduler.sampling_params import SamplingParams
+
+    floor = 0.35
+    drv = DriverCore(RuntimeConfig(target=TARGET, draft=DRAFT, num_speculative_tokens=4, device="cpu",
+                                   dtype="float32", speculation_policy="adaptive", max_num_seqs=3), backend="local")
+    try:
+        drv.scheduler.policy = FixedFloorPolicy(4, floor, raw=raw)
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        outs = drv.wait(drv.submit(held_out_prompts(3), [params] * 3).request_ids, timeout=600)
+        stopped = drv.metrics()["num_stopped_proposals"]
+    finally:
+        drv.shutdown()
+    run = pr.replay_batch(FixedFloorPolicy(4, floor, raw=raw), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    assert (run.proposed, run.accepted) == ([o.num_draft_tokens for o in outs], [o.num_accepted_tokens for o in outs])
+    # The floor did stop drafts, in both.
+    static = pr.replay_batch(SpeculationPolicy("static", 4), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    assert stopped > 0 and sum(run.proposed) < sum(static.proposed)
+
+
+def test_drafts_stop_where_the_product_of_calibrated_probabilities_falls_below_the_floor():
+    conf = [[0.9, 0.5, 0.9, 0.9], [0.9, 0.5, 0.9, 0.9], [0.05, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9]]
+    # Raw: 0.9 then 0.45 < 0.5 (stops at 2, keeping the second); k_i = 3 with no floor
+    # proposes all 3; 0.05 stops at once; a cap of 1 never stops.
+    assert pr.made_proposals([4, 3, 4, 1], [0.5, 0.0, 0.5, 0.5], [], conf) == [2, 3, 1, 1]
+    # Calibrated by decile: 0.9 -> 1.0 and 0.5 -> 0.6 keep reach >= 0.55 to the end.
+    reach_map = [0.1] * 5 + [0.6] * 4 + [1.0]
+    assert pr.made_proposals([4], [0.55], reach_map, conf[:1]) == [4]
