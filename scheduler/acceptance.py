@@ -209,13 +209,16 @@ class DepthCalibration:
         """Per sequence, the expected tokens gained by its 1st..cap-th proposal: products
         of conditional acceptance probabilities, so at most 1 and never rising with depth."""
         depths = range(1, max(caps, default=0) + 1)
-        lifts = {state: [self.lift(j, state) for j in depths] for state in (False, True)}
+        lifts: dict[bool, list[float]] = {}       # per state, only for the states present
         w = self.sequence_weight if sequence_weight is None else sequence_weight
         out = []
         for i, (rate, cap) in enumerate(zip(rates, caps)):
             e = estimates[i] if estimates is not None else None
+            state = e is not None and e.last_full
+            if state not in lifts:
+                lifts[state] = [self.lift(j, state) for j in depths]
             row, g = [], 1.0
-            for j, lift in enumerate(lifts[e is not None and e.last_full][:cap]):
+            for j, lift in enumerate(lifts[state][:cap]):
                 c = min(1.0, rate * lift)
                 if e is not None and j < len(e.reached):
                     c = (e.hits[j] + w * c) / (e.reached[j] + w)

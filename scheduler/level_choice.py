@@ -27,7 +27,9 @@ class LevelChoices:
     undervalued levels by up to 3 % with a verified token at 5 % of a plain step's price,
     and up to 15 % at 20 %.
 
-    Each level's k_i are built only when asked for (a step runs one level), once."""
+    Each level's k_i are built only when asked for (a step runs one level), once. A
+    sequence alone reaches level m only by proposing m: its rates are running sums,
+    without the search (it runs on every step of a batch-1 request)."""
 
     def __init__(self, gains: list[list[float]], price: StepPrice) -> None:
         """``gains[i][j-1]``: expected tokens from sequence i's j-th proposal, never rising
@@ -40,6 +42,13 @@ class LevelChoices:
         # is added to them or -1)
         self._picks: dict[int, tuple[list[tuple[float, int, int]], int, int]] = {}
         self._ks: dict[int, list[int]] = {}
+        if n == 1:
+            gain = 1.0
+            for m, g in enumerate(gains[0], 1):
+                gain += g
+                self.rates[m] = gain / max(price.time(m, m), 1e-12)
+                self._ks[m] = [m]
+            return
         pt = price.per_token
         for m in range(1, max((len(row) for row in gains), default=0) + 1):
             cands = [c for c in order if c[1] <= m]
