@@ -67,16 +67,18 @@ class LinearFit:
     def _accumulate(self, x: list[float], y: float, sign: float) -> None:
         if self.relative and y > 0:
             sign /= y * y
-        # Zero features add nothing; most steps have some (no proposals when speculation is
-        # off), and this runs twice per fit on every step.
-        xtx, xty = self._xtx, self._xty
+        # This runs twice per fit on every step: only the upper triangle of the symmetric
+        # x'x is kept (_solve mirrors it), and zero features (no proposals when
+        # speculation is off) add nothing.
+        xtx, xty, n = self._xtx, self._xty, self.n
         for i, xi in enumerate(x):
             if not xi:
                 continue
             s = sign * xi
             xty[i] += s * y
             row = xtx[i]
-            for j, xj in enumerate(x):
+            for j in range(i, n):
+                xj = x[j]
                 if xj:
                     row[j] += s * xj
 
@@ -97,7 +99,7 @@ class LinearFit:
         self._dirty = 0
         self.version += 1
         count = len(self.samples)
-        a = [row[:] for row in self._xtx]
+        a = [[self._xtx[min(i, j)][max(i, j)] for j in range(self.n)] for i in range(self.n)]
         b = list(self._xty)
         for i in range(self.n):
             # Ridge towards the prior, scaled by the feature's mean square; a tiny one
