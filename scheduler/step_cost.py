@@ -28,10 +28,11 @@ class LinearFit:
 
     The normal equations are kept as running sums (a sample leaving the window is
     subtracted): an observation costs O(features^2) on the step loop, not a pass over the
-    window. They are solved again once an eighth of the window is new (at least 4
-    samples), not on every step: a full window moves little with one more sample, and each
-    solve is several small eliminations in Python (early on, a solve per step was half of
-    choose() at batch 1). ``version`` counts solves, so what is derived from the weights
+    window. They are solved again once a 32nd of the window is new (at least 4 samples),
+    not on every step: a full window moves little with one more sample, and each solve is
+    several small eliminations in Python (early on, a solve per step was half of choose()
+    at batch 1). Not much rarer either: a batch of 8 in the bench runs about 25 steps a
+    round, and the machine's speed drifts between rounds. ``version`` counts solves, so what is derived from the weights
     can be kept until they change. The ridge weighs like ``ridge`` samples at each
     feature's typical size, so it decides only what the data do not."""
 
@@ -59,7 +60,7 @@ class LinearFit:
         count = len(self.samples)
         # The first solve comes as soon as there are enough samples (BucketedFit then
         # calls the fit ready).
-        if count >= 2 * self.n and (self._dirty >= max(4, count // 8) or count == 2 * self.n):
+        if count >= 2 * self.n and (self._dirty >= max(4, count // 32) or count == 2 * self.n):
             self._solve()
             return True
         return False

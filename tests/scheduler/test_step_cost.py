@@ -134,26 +134,26 @@ def test_step_time_prices_passes_padding_and_tokens():
     assert all_long - one_long == pytest.approx(124 * 1e-5)
 
 
-def test_the_fit_is_solved_again_once_an_eighth_of_its_window_is_new():
-    fit = LinearFit(2, window=64)
+def test_the_fit_is_solved_again_once_a_32nd_of_its_window_is_new():
+    fit = LinearFit(2, window=256)
     fit.add([1.0, 1.0], 0.0011)
     fit.add([1.0, 2.0], 0.0012)
     fit.add([1.0, 3.0], 0.0013)
     assert fit.version == 0 and fit.weights == [0.0, 0.0]
     fit.add([1.0, 4.0], 0.0014)                 # 2 per feature: solved at once
     assert fit.version == 1 and fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
-    for n in range(5, 65):
+    for n in range(5, 257):
         fit.add([1.0, n % 9], 0.001 + 0.0001 * (n % 9))
     assert fit.solve() == pytest.approx([0.001, 0.0001], rel=1e-6)
     # The cost doubles. Seven more samples leave the weights as they were (a solve per
-    # step was half of choose()'s time at batch 1); the eighth of a full window of 64
-    # brings a new solve.
+    # step was half of choose()'s time at batch 1); the eighth, a 32nd of a full window
+    # of 256, brings a new solve.
     version = fit.version
     for n in range(7):
         assert not fit.add([1.0, n], 0.002 + 0.0002 * n)
     assert fit.version == version and fit.weights == pytest.approx([0.001, 0.0001], rel=1e-6)
     assert fit.add([1.0, 7.0], 0.002 + 0.0002 * 7)
-    assert fit.version == version + 1 and fit.weights[1] > 0.0001
+    assert fit.version == version + 1 and fit.predict([1.0, 4.0]) > 0.001 + 0.0001 * 4 + 1e-5
 
 
 def test_a_price_is_kept_until_the_weights_or_the_batch_change():
