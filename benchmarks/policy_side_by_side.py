@@ -111,7 +111,8 @@ def main() -> None:
                          "max": max(v), "vs_best_other": ratio, "within_repeats_vs_best_other": paired})
             print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}   "
                   f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})")
-    print(f"\n{'batch':>5}  {'policy':9} ms per step: {'step':>7} {'schedule':>9} {'draft':>7} {'verify':>7} {'rest':>7}")
+    print(f"\n{'batch':>5}  {'policy':9} ms per step: "
+          f"{'step':>7} {'schedule':>9} {'draft':>7} {'verify':>7} {'rest':>7}")
     for row in rows:
         ms = step_ms(phase_s[(row["batch_size"], row["policy"])])
         row["step_ms"] = ms

@@ -32,9 +32,10 @@ class LinearFit:
     not on every step: a full window moves little with one more sample, and each solve is
     several small eliminations in Python (early on, a solve per step was half of choose()
     at batch 1). Not much rarer either: a batch of 8 in the bench runs about 25 steps a
-    round, and the machine's speed drifts between rounds. ``version`` counts solves, so what is derived from the weights
-    can be kept until they change. The ridge weighs like ``ridge`` samples at each
-    feature's typical size, so it decides only what the data do not."""
+    round, and the machine's speed drifts between rounds. ``version`` counts solves, so
+    what is derived from the weights can be kept until they change. The ridge weighs like
+    ``ridge`` samples at each feature's typical size, so it decides only what the data do
+    not."""
 
     def __init__(self, num_features: int, window: int = 256, prior: list[float] | None = None,
                  ridge: float = 0.01, relative: bool = False) -> None:
@@ -262,8 +263,8 @@ class StepCostModel:
     target: BucketedFit = field(default_factory=lambda: BucketedFit(5, prior=[1e-3, 1e-5, 1e-4, 1e-4, 1e-5]))
     draft: BucketedFit = field(default_factory=lambda: BucketedFit(4, prior=[5e-4, 1e-4, 1e-5, 1e-5]))
     overhead: BucketedFit = field(default_factory=lambda: BucketedFit(2, prior=[2e-4, 2e-5]))
-    # The last price and what it was computed from: a policy asks for the same batch's
-    # price every step, and the weights change only every few dozen steps.
+    # The last price and fitted() answer, each with what it was computed from: a policy
+    # asks about the same batch every step, and the weights change every few steps.
     _price: tuple | None = field(default=None, repr=False, compare=False)
     _fitted: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -293,7 +294,7 @@ class StepCostModel:
         mostly on its passes, and a bad draft speculates at a batch size only in the
         switch's trials: its own bucket would take dozens of them to fill, and until
         then no trial would count."""
-        key = (num_seqs, speculating, self.target.version, self.draft.version, self.overhead.version)
+        key = (num_seqs, speculating, *self._versions())
         if self._fitted is None or self._fitted[0] != key:
             self._fitted = (key, self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
                             and (not speculating or self.draft.fitted(num_seqs, any_bucket=True)))
@@ -302,7 +303,7 @@ class StepCostModel:
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy
         weighing many proposals for the same batch evaluates, without a fit lookup each."""
-        key = (num_seqs, fed_tokens, self.target.version, self.draft.version, self.overhead.version)
+        key = (num_seqs, fed_tokens, *self._versions())
         if self._price is not None and self._price[0] == key:
             return self._price[1]
         n = float(num_seqs)
@@ -315,6 +316,9 @@ class StepCostModel:
             per_token=tw[3] + dw[3])
         self._price = (key, price)
         return price
+
+    def _versions(self) -> tuple[int, int, int]:
+        return self.target.version, self.draft.version, self.overhead.version
 
     def draft_fed_price(self, num_seqs: int) -> float:
         """Seconds per token the draft is fed, at this batch size."""
