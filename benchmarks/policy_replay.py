@@ -298,7 +298,8 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             if policy is not None:
                 policy.observe(s["est"], ki, acc, confidence[i][:ki] if confidence and ki else None)
         if adaptive:
-            policy.observe_step(n, fed, proposed, emitted, seconds, fed_draft - sum(1 for ki in ks if ki))
+            # Priced as made (``longest``), as the scheduler does: drafts may have stopped early.
+            policy.observe_step(n, fed, proposed, emitted, seconds, fed_draft - sum(1 for ki in ks if ki), longest)
             policy.cost.observe_overhead(n, overhead)
         total += seconds
         steps += 1

@@ -358,10 +358,11 @@ class Scheduler:
         self.policy.cost.observe_target(len(step.seqs), fed, proposed, longest, verify_s)
         if draft_s is not None:
             dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
-            # The passes the drafts ran: fewer than chosen where one stopped early.
-            made = {sid: n for p in plans if p.proposal_token_ids for sid, n in zip(p.seq_ids, p.proposal_lens)}
-            ks = [made.get(s.seq_id, s.step_k) for s in step.seqs]
-            self.policy.cost.observe_draft(len(ks), max(ks), sum(sum(p.num_new) for p in dplans), sum(ks), draft_s)
+            # The target plans hold the proposals merged into them, so ``longest`` and
+            # ``proposed`` are the passes and tokens the drafts made: fewer than chosen
+            # where one stopped early.
+            fed_draft = sum(sum(p.num_new) for p in dplans)
+            self.policy.cost.observe_draft(len(step.seqs), longest, fed_draft, proposed, draft_s)
 
     # -- results -------------------------------------------------------------------
     def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0
