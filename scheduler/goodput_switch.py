@@ -5,6 +5,7 @@ anything, and other load moves it)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scheduler.outcome_sums import OutcomeSums
@@ -34,20 +35,38 @@ class GoodputSwitch:
     trial's time comes without the draft's catch-up on what it skipped (see
     ``SpeculationPolicy.observe_step``). A trial step weighs like any other: at small
     batch one step's tokens swing from 1 to k+1, and a single unlucky step must not flip
-    the mode."""
+    the mode.
+
+    The machine's speed drifts, for both modes alike (on the 2-core CPU, step times moved
+    by 30 % within a minute), and the mode not running is measured only in its trials.
+    Its own sums would compare a trial from a fast spell with the leader's steps in a slow
+    one: a correction of 0.79 left from a slow spell kept batch 1 decoding plain for whole
+    requests while speculation ran 1.4 times faster. So a trial is judged paired: its
+    ratio against the leader's ratio of the moment (``pair_decay``: how fast older pairs
+    fade), and the other mode's correction is the leader's current one times that
+    relative figure. A slowdown of the leader alone is then read as the machine's, until
+    a trial says otherwise; so once the leader has slowed enough since the last pairing
+    that a slowdown of its own would flip the decision, the other mode is tried at once."""
 
     explore_every: int = 16
     max_explore_every: int = 256
     decay: float = 0.9               # about the last ten steps of the running mode count
     min_samples: int = 3
+    pair_decay: float = 0.7          # about the last three trial pairs count
     _sums: OutcomeSums = field(init=False)      # per (bucket, speculated)
     _steps: dict[int, int] = field(default_factory=dict)
     _next_trial: dict[int, int] = field(default_factory=dict)
     _wait: dict[int, int] = field(default_factory=dict)
     _trial: dict[int, float] = field(default_factory=dict)   # bucket -> the leader's figure at a trial
+    _lead: dict[int, bool] = field(default_factory=dict)     # bucket -> the mode its last non-trial step ran
+    # bucket -> [weight, weighted sum of log(on's ratio / off's ratio)] over paired trials
+    _pairs: dict[int, list[float]] = field(default_factory=dict)
+    _paired_at: dict[int, float] = field(default_factory=dict)   # bucket -> the leader's ratio then
 
     def __post_init__(self) -> None:
         self._sums = OutcomeSums(self.decay)
+        if not 0.0 <= self.pair_decay < 1.0:
+            raise ValueError(f"pair_decay must be in [0, 1), got {self.pair_decay}")
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -59,10 +78,20 @@ class GoodputSwitch:
         what its neighbour learned); 1 while nothing close is known."""
         b = self.bucket(num_seqs)
         for near in (b, b - 1, b + 1):
-            ratio = self._sums.ratio((near, speculate), self.min_samples)
+            ratio = self._ratio(near, speculate)
             if ratio is not None:
                 return ratio
         return 1.0
+
+    def _ratio(self, b: int, speculate: bool) -> float | None:
+        lead = self._lead.get(b)
+        pair = self._pairs.get(b)
+        if lead is not None and lead != speculate and pair is not None:
+            led = self._sums.ratio((b, lead), self.min_samples)
+            if led is not None:
+                relative = math.exp(pair[1] / pair[0])       # on's ratio over off's
+                return led * relative if speculate else led / relative
+        return self._sums.ratio((b, speculate), self.min_samples)
 
     def goodput(self, num_seqs: int, speculate: bool, predicted: float) -> float:
         return predicted * self.correction(num_seqs, speculate)
@@ -81,8 +110,26 @@ class GoodputSwitch:
             self._next_trial[b] = self._steps[b] + self._wait.get(b, self.explore_every)
             self._trial[b] = max(on, off)
             return not ahead
+        if self._doubted(b, ahead, on, off):
+            self._trial[b] = max(on, off)
+            return not ahead
         self._trial.pop(b, None)
         return ahead
+
+    def _doubted(self, b: int, ahead: bool, on: float, off: float) -> bool:
+        """Whether the leader has slowed since the last pairing by enough that, were the
+        slowdown its own and not the machine's, the other mode would now be ahead. Then
+        the other mode is tried now (once: the doubt is reset here)."""
+        if self._lead.get(b) != ahead or b not in self._paired_at:
+            return False
+        now = self._sums.ratio((b, ahead), self.min_samples)
+        if now is None:
+            return False
+        slowed = now / self._paired_at[b]
+        if slowed >= 1.0 or max(on, off) * slowed >= min(on, off):
+            return False
+        self._paired_at[b] = now
+        return True
 
     def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float, predicted_seconds: float) -> None:
         """A decode step's tokens and time, and the time the model predicted for it (the
@@ -94,4 +141,14 @@ class GoodputSwitch:
             wait = self.explore_every if tokens / seconds > lead else min(2 * wait, self.max_explore_every)
             self._wait[b] = wait
             self._next_trial[b] = self._steps.get(b, 0) + wait
+            led = self._sums.ratio((b, not speculated), self.min_samples)
+            if led is not None and self._lead.get(b) == (not speculated):
+                ratio = predicted_seconds / seconds
+                sample = math.log(ratio / led) if speculated else math.log(led / ratio)
+                pair = self._pairs.setdefault(b, [0.0, 0.0])
+                pair[0] = pair[0] * self.pair_decay + 1.0
+                pair[1] = pair[1] * self.pair_decay + sample
+                self._paired_at[b] = led
+        else:
+            self._lead[b] = speculated
         self._sums.add((b, speculated), seconds, predicted_seconds)

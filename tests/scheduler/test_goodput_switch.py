@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from scheduler.acceptance import AcceptanceEstimate
@@ -46,22 +49,56 @@ def test_switch_follows_the_model_and_drops_a_leader_that_slows_down_at_once():
     sw = GoodputSwitch(explore_every=16)
     made = drive_switch(sw, 32, 100, on_tps=900.0, off_tps=700.0, model_on=900.0, model_off=700.0)
     assert made[:16] == [True] * 16
-    # The draft got worse than the model knows: the running mode's own figure shows it.
+    # The draft got slower than the model knows. The running mode's own figure shows a
+    # slowdown, which could be the whole machine's: plain decoding is tried at once, and
+    # the paired trials that find it unaffected hand it the batch.
     made = drive_switch(sw, 32, 200, on_tps=500.0, off_tps=700.0, model_on=900.0, model_off=700.0)
     assert made.index(False) < 10
-    assert 1 <= made[10:].count(True) <= 4
+    switched = "".join("1" if on else "0" for on in made).find("0" * 10)
+    assert 0 < switched <= 30 and 1 <= made[switched:].count(True) <= 4
 
 
 def test_switch_finds_a_loser_that_got_better_at_its_next_trial():
     sw = GoodputSwitch(explore_every=16, max_explore_every=64)
     drive_switch(sw, 4, 300, on_tps=300.0, off_tps=400.0, model_on=300.0, model_off=400.0)   # off leads
     made = drive_switch(sw, 4, 200, on_tps=600.0, off_tps=400.0, model_on=300.0, model_off=400.0)
-    # A trial that beat the leader brings the next one back after the base wait, not a
-    # doubled one; no single step flips the mode, a few consistent ones do.
+    # No single step flips the mode; a trial that beat the leader brings the next one
+    # back after the base wait, not a doubled one, and the second consistent one does.
     switched = "".join("1" if on else "0" for on in made).find("1" * 10)
-    assert 0 <= switched <= 120 and made[switched:].count(False) <= 8
     trials = [i for i, on in enumerate(made[:switched]) if on]
-    assert len(trials) >= 2 and trials[0] <= 64 and all(b - a == 16 for a, b in zip(trials, trials[1:]))
+    assert len(trials) == 1 and trials[0] <= 64 and switched == trials[0] + 16
+    assert made[switched:].count(False) <= 8
+
+
+def test_the_machine_drifting_as_a_whole_does_not_hand_the_batch_to_the_slower_mode():
+    # Measured at batch 1 on the 2-core CPU: step times drift by 30 % within a minute,
+    # both modes alike. Judged on its own, speculation's figure fell in a slow spell below
+    # plain decoding's figure from a fast one, plain decoding took over, and the stale
+    # figure kept it there for whole requests (a correction of 0.79, while speculation ran
+    # 1.4 times faster). Here speculation is always 1.3-1.6 times faster (the model says
+    # 1.1-1.5), requests of 64 steps each, the machine's speed moving every 40 steps.
+    off_steps = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        sw = GoodputSwitch(explore_every=16)
+        off = 0
+        for step in range(1500):
+            if step % 40 == 0:
+                speed = rng.choice([1.0, 1.0, 0.8, 0.65])
+            if step % 64 == 0:
+                model_on = 256.0 * rng.uniform(1.1, 1.5)
+            on = sw.speculate(1, model_on, 256.0)
+            noise = math.exp(rng.gauss(0.0, 0.08)) / speed
+            if on:
+                tokens = rng.choice([1, 2, 3, 4, 4, 5])
+                sw.observe(1, True, tokens, noise * 3.17 / (1.05 * model_on), 3.17 / model_on)
+            else:
+                off += 1
+                sw.observe(1, False, 1, noise / 256.0, 1 / 256.0)
+        off_steps.append(off)
+    # Trials and a few doubts: 12.5 on average, at most 24. Judged unpaired: 26 on
+    # average, and three runs of about a hundred.
+    assert sum(off_steps) / len(off_steps) <= 15 and max(off_steps) <= 30
 
 
 def test_switch_judges_each_batch_by_what_the_model_expects_of_it():
