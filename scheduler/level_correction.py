@@ -17,6 +17,7 @@ such sequences. What a sequence emits is its acceptance estimate's business.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scheduler.outcome_sums import OutcomeSums
@@ -25,26 +26,33 @@ from scheduler.step_cost import batch_bucket
 
 @dataclass
 class LevelCorrection:
-    """Per batch-size bucket and level ``m`` (the step's longest proposal), discounted
-    sums of how long decode steps at that level took and how long the model predicted. A
-    level's ratio (predicted over measured), divided by the bucket's ratio over all
-    levels, scales the model's figure for that level: only how levels compare is
-    corrected here (on against off is ``GoodputSwitch``'s).
+    """Per batch-size bucket: which level runs (the one the last two speculating steps
+    ran), the discounted sums of its steps' measured and predicted times (their ratio,
+    predicted over measured, says how the machine runs just now), and for every other
+    level, how its steps compared with that ratio when it was tried: each trial step's
+    ratio over the running level's of the moment (in logs, on one scale across changes
+    of the running level: a trial against level 3 and one against level 4 add up).
 
-    Sums decay per observation of their own level, so a level that runs only in level
-    trials (now and then, less often while it keeps losing) keeps its last few
-    measurements. A level with fewer than ``min_samples`` keeps the model's figure, and
-    factors stay within ``limits``: a few noisy steps must not bury a level for long.
-    Each level's ratio is also shrunk towards the typical one by ``prior_steps``
-    pseudo-steps: the machine's speed drifts (the same draft call took 8-16 ms within one
-    bench run), and a level measured twice in a fast spell must not take over."""
+    Paired, because the machine's speed drifts for every level alike (the same draft call
+    took 8-16 ms within one bench run) and a level runs only in trials: compared with the
+    running level's steps of another minute, a level tried in a slow spell looked 10-15 %
+    worse than when compared with the steps around it (traced at batch 8 and 32 in
+    process). A level's factor is then its paired figure over the running level's (1 for
+    the running level itself, and for a level with fewer than ``min_samples`` trials),
+    shrunk towards 1 by ``prior_steps`` pseudo-trials (a level tried twice in a fast
+    spell must not take over) and kept within ``limits``. Pairs decay per trial of their
+    own level, so a level that runs only now and then keeps its last few."""
 
-    decay: float = 0.8               # about a level's last five steps
+    decay: float = 0.8               # about a level's last five trials
     min_samples: int = 2
-    prior_steps: float = 2.0         # each level's ratio gets these at the typical one
+    prior_steps: float = 2.0         # each level's figure gets these at the running level's
     limits: tuple[float, float] = (0.67, 1.5)
     observations: int = 0
-    _sums: OutcomeSums = field(init=False)      # per (bucket, level)
+    _sums: OutcomeSums = field(init=False)      # per (bucket, level): recent steps' times
+    _running: dict[int, int] = field(default_factory=dict)   # bucket -> the level that runs
+    _last: dict[int, int] = field(default_factory=dict)      # bucket -> the last step's level
+    # (bucket, level) -> [weight, weighted sum of log efficiency, trials]
+    _pairs: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._sums = OutcomeSums(self.decay)
@@ -52,27 +60,42 @@ class LevelCorrection:
     def observe(self, num_seqs: int, level: int, seconds: float, predicted_seconds: float) -> None:
         if level <= 0 or min(seconds, predicted_seconds) <= 0:
             return
-        self._sums.add((batch_bucket(num_seqs), level), seconds, predicted_seconds)
+        b = batch_bucket(num_seqs)
+        running = self._running.get(b)
+        if running is None or self._last.get(b) == level:
+            running = self._running[b] = level       # the policy has moved here
+        if level != running:
+            now = self._sums.ratio((b, running), 1)
+            if now is not None:
+                pair = self._pairs.setdefault((b, level), [0.0, 0.0, 0])
+                base = self._efficiency(b, running)
+                pair[0] = pair[0] * self.decay + 1.0
+                pair[1] = pair[1] * self.decay + base + math.log(predicted_seconds / seconds / now)
+                pair[2] += 1
+        self._sums.add((b, level), seconds, predicted_seconds)
+        self._last[b] = level
         self.observations += 1
+
+    def _efficiency(self, b: int, level: int) -> float:
+        """The level's log efficiency on the bucket's common scale (0: never tried)."""
+        pair = self._pairs.get((b, level))
+        return pair[1] / pair[0] if pair else 0.0
 
     def factors(self, num_seqs: int, levels: list[int]) -> dict[int, float]:
         """Level -> factor for the model's goodput figure at this batch size (1 for a level
         not yet measured enough)."""
         b = batch_bucket(num_seqs)
-        ratios = {m: r for m in levels if (r := self._sums.ratio((b, m), self.min_samples)) is not None}
-        if len(ratios) < 2:
-            return {m: 1.0 for m in levels}
-        # Relative to the measured levels' typical ratio, weighted by how often each ran.
-        weight = {m: self._sums.steps((b, m)) for m in ratios}
-        mean = sum(ratios[m] * weight[m] for m in ratios) / sum(weight.values())
+        running = self._running.get(b)
+        out = {m: 1.0 for m in levels}
+        if running is None:
+            return out
+        base = self._efficiency(b, running)
         lo, hi = self.limits
-        out = {}
         for m in levels:
-            if m not in ratios:
-                out[m] = 1.0
+            pair = self._pairs.get((b, m))
+            if m == running or pair is None or pair[2] < self.min_samples:
                 continue
-            # Shrunk by the level's decayed step count (see the class docstring).
-            n = weight[m] if self.decay >= 1.0 else (1.0 - self.decay ** weight[m]) / (1.0 - self.decay)
-            ratio = (n * ratios[m] + self.prior_steps * mean) / (n + self.prior_steps)
-            out[m] = min(hi, max(lo, ratio / mean))
+            weight = pair[0]
+            shrunk = (pair[1] / weight - base) * weight / (weight + self.prior_steps)
+            out[m] = min(hi, max(lo, math.exp(shrunk)))
         return out

@@ -49,9 +49,9 @@ comes back to every slot once it has been the best.
 
 How levels compare has a measured word too (``LevelCorrection``): the cost model tells a
 draft pass's price from the draft call's only through steps at several levels, so each
-level's figure is scaled by how its steps' measured time has compared with the model's,
-relative to the other levels at that batch size. The level trials above keep every level
-measured.
+level's figure is scaled by how its trial steps' measured time has compared with the
+model's, relative to the running level's steps of the same moment (the machine's speed
+drifts for every level alike). The level trials above keep every level measured.
 
 On or off for the whole batch has a measured last word: ``GoodputSwitch`` scales the
 model's expected goodput of each mode by how far its step times for that mode have been

@@ -23,39 +23,60 @@ def test_levels_keep_the_models_figure_until_two_are_measured():
     assert (4 .bit_length(), 0) not in c._sums and c._sums.steps((4 .bit_length(), 2)) == 1
 
 
-def test_a_level_that_beats_its_predicted_time_is_ranked_up_relative_to_the_others():
+def test_a_trial_level_is_ranked_by_its_steps_against_the_running_levels_of_the_moment():
     c = LevelCorrection(decay=1.0)
-    for _ in range(6):       # level 4 runs mostly, in 1/1.2 of the time the model prices it at
+    for _ in range(3):       # level 4 runs, in 1/1.2 of the time the model prices it at
         c.observe(2, level=4, seconds=0.010, predicted_seconds=0.012)
-    for _ in range(2):       # level 3, a neighbour trial now and then, slower than priced
+    for _ in range(2):       # level 3, a trial now and then, slower than priced
         c.observe(2, level=3, seconds=0.010, predicted_seconds=0.009)
+        c.observe(2, level=4, seconds=0.010, predicted_seconds=0.012)
     f = c.factors(2, [2, 3, 4])
-    mean = (6 * 1.2 + 2 * 0.9) / 8
-    # Each ratio shrunk towards the typical one by two pseudo-steps (no decay here: a
-    # level's steps count whole).
-    assert f[4] == pytest.approx((6 * 1.2 + 2 * mean) / 8 / mean)
-    assert f[3] == pytest.approx((2 * 0.9 + 2 * mean) / 4 / mean)
-    assert f[4] > 1.0 > f[3]
-    assert f[2] == 1.0                                        # never measured
+    # Level 3 against level 4, 0.9 / 1.2 per trial, shrunk towards 1 by two pseudo-trials
+    # (no decay here: each trial counts whole); the running level is the reference.
+    assert f[4] == 1.0 and f[3] == pytest.approx((0.9 / 1.2) ** (2 / 4))
+    assert f[2] == 1.0                                        # never tried
     # Another batch-size bucket knows nothing of it; extreme ratios are clamped.
     assert c.factors(32, [3, 4]) == {3: 1.0, 4: 1.0}
     for _ in range(4):
         c.observe(2, level=2, seconds=0.010, predicted_seconds=0.001)
+        c.observe(2, level=4, seconds=0.010, predicted_seconds=0.012)
     assert c.factors(2, [2, 3, 4])[2] == c.limits[0]
+    # Two steps in a row at another level: the policy moved there, and it is the
+    # reference now (level 4 keeps its place relative to level 3 on the common scale).
+    c.observe(2, level=3, seconds=0.010, predicted_seconds=0.009)
+    c.observe(2, level=3, seconds=0.010, predicted_seconds=0.009)
+    f = c.factors(2, [3, 4])
+    assert f[3] == 1.0 and f[4] == 1.0                        # level 4 was never a trial
+
+
+def test_a_slow_spell_during_a_levels_trials_does_not_count_against_it():
+    # The machine slows for every level alike. Trials of level 2 fall in a slow spell,
+    # and the running level's steps around them are as slow: the pairs see little
+    # difference (the running level's ratio lags the spell by a step or two). Judged
+    # against the running level's recent steps unpaired, level 2 came out 0.89.
+    c = LevelCorrection()
+    for spell in (1.0, 1.5, 1.0, 1.5, 1.0):
+        for _ in range(5):
+            c.observe(8, level=3, seconds=0.010 * spell, predicted_seconds=0.010)
+        if spell > 1.0:
+            c.observe(8, level=2, seconds=0.008 * spell, predicted_seconds=0.008)
+    assert c.factors(8, [2, 3]) == pytest.approx({2: 1.0, 3: 1.0}, abs=0.05)
 
 
 def test_two_fast_trial_steps_do_not_make_a_level_take_over():
-    # The machine's speed drifts: a level tried twice in a fast spell must not take over.
+    # A level tried twice in a fast spell of its own must not take over.
     c = LevelCorrection()
     for _ in range(20):      # level 4 runs everywhere and takes what the model says
         c.observe(1, level=4, seconds=0.011, predicted_seconds=0.011)
-    for _ in range(2):       # level 1, tried twice in a fast spell: 1.3x
+    for _ in range(2):       # level 1, tried twice: 1.3x
         c.observe(1, level=1, seconds=0.007, predicted_seconds=0.0091)
+        c.observe(1, level=4, seconds=0.011, predicted_seconds=0.011)
     f = c.factors(1, [1, 4])
     assert 1.0 < f[1] / f[4] < 1.16            # taken at its word, 1.3
-    # The same record, kept up, is believed more: five more such steps.
+    # The same record, kept up, is believed more: five more such trials.
     for _ in range(5):
         c.observe(1, level=1, seconds=0.007, predicted_seconds=0.0091)
+        c.observe(1, level=4, seconds=0.011, predicted_seconds=0.011)
     f = c.factors(1, [1, 4])
     assert f[1] / f[4] > 1.18
 
