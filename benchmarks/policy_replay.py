@@ -226,8 +226,27 @@ class ReplayedBatch:
     accepted: list[int]
 
 
+class Drift:
+    """The machine's speed, for every kind of step alike: lognormal with ``sigma``, drawn
+    again every ``period`` steps (on the 2-core CPU step times moved by 30 % within a
+    minute). Each run of a batch draws its own sequence of speeds, indexed by its steps."""
+
+    def __init__(self, sigma: float, period: int, seed: int) -> None:
+        self.sigma, self.period = sigma, period
+        self.rng = random.Random(seed)
+        self.steps, self.speed = 0, 1.0
+
+    def factor(self) -> float:
+        """A step's time multiplier; advances one step."""
+        if self.sigma and self.steps % self.period == 0:
+            self.speed = math.exp(self.rng.gauss(0.0, self.sigma))
+        self.steps += 1
+        return self.speed
+
+
 def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch: int, max_tokens: int,
-                 surface: StepSurface, rng: random.Random, noise: float = 0.05, first: int = 0) -> ReplayedBatch:
+                 surface: StepSurface, rng: random.Random, noise: float = 0.05, first: int = 0,
+                 drift: Drift | None = None) -> ReplayedBatch:
     """One closed batch of ``batch`` of the table's prompts from the ``first``-th on
     (wrapping around), all admitted together; ``policy`` None is plain decoding."""
     k = table.k
@@ -280,6 +299,10 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             t_target = surface.target(n, proposed, longest) * jitter()
             t_draft = surface.drafting(n, longest, fed_draft) * jitter() if proposed else None
         overhead = surface.overhead(n, adaptive) * jitter()
+        if drift is not None:
+            slow = drift.factor()
+            t_target, overhead = t_target * slow, overhead * slow
+            t_draft = t_draft * slow if t_draft is not None else None
         seconds = t_target + (t_draft or 0.0) + overhead
         if adaptive:
             policy.cost.observe_target(n, fed, proposed, longest, t_target)
@@ -309,7 +332,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
 
 def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int], max_tokens: int,
                  repeats: int, seeds: int, surface: StepSurface, noise: float,
-                 rotate: bool = False) -> dict[tuple[int, str], list[float]]:
+                 rotate: bool = False, drift: float = 0.0, drift_period: int = 40) -> dict[tuple[int, str], list[float]]:
     """name -> a factory of fresh policies (None: plain decoding); each seed builds every
     policy afresh and runs ``repeats`` rounds of the batch sizes. Returns tokens/s per
     (batch, name), one per (seed, repeat), aligned across names. The bench's batch of
@@ -323,7 +346,9 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
         for r in range(repeats):
             for b in batch_sizes:
                 for name, pol in policies.items():
-                    run = replay_batch(pol, table, b, max_tokens, surface, rng, noise, first=r * b if rotate else 0)
+                    # Every policy of a round meets the same spells, as runs seconds apart do.
+                    run = replay_batch(pol, table, b, max_tokens, surface, rng, noise, first=r * b if rotate else 0,
+                                       drift=Drift(drift, drift_period, seed * 100003 + r * 101 + b))
                     out.setdefault((b, name), []).append(run.tokens_per_s)
     return out
 
@@ -369,6 +394,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of each step's time")
+    ap.add_argument("--drift", type=float, default=0.0,
+                    help="lognormal sigma of the machine's speed, every kind of step alike (0: none)")
+    ap.add_argument("--drift-period", type=int, default=40, help="steps between draws of the machine's speed")
     ap.add_argument("--surface", choices=sorted(SURFACES), default="cpu",
                     help="step times: this CPU's (fitted) or a launch-bound accelerator's (a sketch, unmeasured)")
     ap.add_argument("--rotate-prompts", action="store_true",
@@ -394,7 +422,7 @@ def main() -> None:
         factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")}, stops)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, SURFACES[args.surface](),
-                       args.noise, rotate=args.rotate_prompts)
+                       args.noise, rotate=args.rotate_prompts, drift=args.drift, drift_period=args.drift_period)
     drafts = [name for name in factories if name not in ("static", "none")]
     print(f"{'batch':>5}  " + " ".join(f"{name:>9}" for name in factories) + "   over the better of static and none")
     for b in batch_sizes:

@@ -94,6 +94,30 @@ def test_a_surfaces_prefill_base_is_paid_once_by_the_first_step():
     assert t[1] - t[0] == pytest.approx(1.0)
 
 
+def test_drift_slows_every_kind_of_step_alike_in_spells_shared_by_a_rounds_policies():
+    d = pr.Drift(0.3, period=5, seed=7)
+    speeds = [d.factor() for _ in range(20)]
+    again = pr.Drift(0.3, period=5, seed=7)
+    assert speeds == [again.factor() for _ in range(20)]
+    assert all(len(set(speeds[i:i + 5])) == 1 for i in range(0, 20, 5)) and len(set(speeds)) == 4
+    assert pr.Drift(0.0, period=5, seed=7).factor() == 1.0
+    # A plain run's time scales with the spell it meets; both policies of a round meet it.
+    surface, still = pr.StepSurface(), pr.replay_batch(None, table_of(2), 1, TOKENS, pr.StepSurface(), random.Random(0),
+                                                     noise=0.0)
+    slowed = pr.replay_batch(None, table_of(2), 1, TOKENS, surface, random.Random(0), noise=0.0,
+                             drift=pr.Drift(0.3, period=10 * TOKENS, seed=7))
+    assert still.tokens_per_s / slowed.tokens_per_s == pytest.approx(pr.Drift(0.3, 10 * TOKENS, 7).factor())
+    factories = {"adaptive": pr.policy_factory({"k_max": 4}), "none": lambda: None}
+    drifting = pr.replay_bench(factories, table_of(2), [1], TOKENS, repeats=2, seeds=1, surface=surface, noise=0.0,
+                               drift=0.3)
+    assert drifting != pr.replay_bench(factories, table_of(2), [1], TOKENS, repeats=2, seeds=1, surface=surface,
+                                       noise=0.0)
+
+
+def table_of(match: int) -> pr.AcceptanceTable:
+    return pr.AcceptanceTable(4, [10, 12], [[match] * TOKENS, [match] * TOKENS])
+
+
 def test_the_cli_replays_on_either_surface(capsys, monkeypatch, tmp_path):
     table = pr.AcceptanceTable(4, [10, 12], [[2] * TOKENS, [4] * TOKENS])
     path = tmp_path / "table.json"
