@@ -20,7 +20,7 @@ def cheap_draft_cost() -> StepCostModel:
     """A controlled cost model in which drafting is cheap next to verifying, frozen so the
     test does not depend on this machine's timings."""
     c = StepCostModel()
-    c.target.set_weights([2e-3, 1e-5, 2e-5, 2e-5, 0.0])
+    c.target.set_weights([2e-3, 1e-5, 2e-5, 2e-5, 0.0, 0.0])
     c.draft.set_weights([5e-4, 1e-4, 1e-5, 1e-5])
     c.overhead.set_weights([0.0, 0.0])
     c.observe_target = c.observe_draft = c.observe_overhead = lambda *a: None

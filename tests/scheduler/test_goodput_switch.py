@@ -16,7 +16,7 @@ from scheduler.step_cost import StepCostModel
 def cheap_speculation() -> StepCostModel:
     """A given cost model (``set_weights``) under which speculating is nearly free."""
     c = StepCostModel()
-    c.target.set_weights([1e-3, 1e-5, 1e-5, 1e-6, 0.0])
+    c.target.set_weights([1e-3, 1e-5, 1e-5, 1e-6, 0.0, 0.0])
     c.draft.set_weights([1e-5, 1e-6, 0.0, 0.0])
     c.overhead.set_weights([0.0, 0.0])
     return c

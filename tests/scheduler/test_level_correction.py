@@ -84,7 +84,7 @@ def test_two_fast_trial_steps_do_not_make_a_level_take_over():
 def _cost() -> StepCostModel:
     """Target: 1 ms + 10 us per token scored; draft: 0.1 ms + 0.5 ms per pass + 10 us per token."""
     c = StepCostModel()
-    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 0.0])
+    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 0.0, 0.0])
     c.draft.set_weights([1e-4, 5e-4, 1e-5, 1e-5])
     c.overhead.set_weights([0.0, 0.0])
     return c

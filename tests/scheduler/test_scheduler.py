@@ -1660,7 +1660,7 @@ def test_adaptive_newcomers_arriving_together_are_valued_as_one_batch():
     # and the draft is not asked to prefill their prompts; one alone proposes.
     eng = build(speculation_policy="adaptive", max_num_seqs=64)
     cost = eng.sched.policy.cost
-    cost.target.set_weights([1e-3, 0.0, 5e-5, 5e-5, 0.0])
+    cost.target.set_weights([1e-3, 0.0, 5e-5, 5e-5, 0.0, 0.0])
     cost.draft.set_weights([1e-4, 5e-5, 1e-5, 1e-5])
     cost.overhead.set_weights([0.0, 0.0])
     add_requests(eng, [(i, 6, 4) for i in range(1, 65)])

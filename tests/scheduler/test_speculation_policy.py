@@ -17,7 +17,7 @@ def est(accepted: float, rejected: float) -> AcceptanceEstimate:
 def controlled_cost(t_tok: float, d_pass: float = 5e-5, d_tok: float = 1e-5) -> StepCostModel:
     """Target: 1 ms + t_tok per token scored; draft: 0.1 ms + d_pass per pass + d_tok per token."""
     c = StepCostModel()
-    c.target.set_weights([1e-3, 0.0, t_tok, t_tok, 0.0])
+    c.target.set_weights([1e-3, 0.0, t_tok, t_tok, 0.0, 0.0])
     c.draft.set_weights([1e-4, d_pass, d_tok, d_tok])
     c.overhead.set_weights([0.0, 0.0])
     return c
@@ -266,9 +266,9 @@ def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
     assert len(calls) == 4
     # A new price re-ranks the levels from the same gains.
     good = [est(60, 1), est(60, 1)]
-    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 5e-3, 0.0])
+    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 5e-3, 0.0, 0.0])
     assert p.choose([4, 4], good, fed_tokens=2) == [0, 0]
-    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 1e-6, 0.0])
+    p.cost.target.set_weights([1e-3, 0.0, 1e-6, 1e-6, 0.0, 0.0])
     assert p.choose([4, 4], good, fed_tokens=2) == [4, 4]
     assert len(calls) == 5
 

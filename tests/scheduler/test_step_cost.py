@@ -122,16 +122,36 @@ def test_buckets_fit_their_own_batch_sizes_and_new_ones_start_from_a_neighbour()
 
 def test_step_time_prices_passes_padding_and_tokens():
     c = StepCostModel()
-    c.target.set_weights([1e-3, 0.0, 0.0, 1e-5, 1e-4])       # padding dominates tokens
+    c.target.set_weights([1e-3, 0.0, 0.0, 1e-5, 1e-4, 3e-4])       # padding dominates tokens
     c.draft.set_weights([1e-4, 5e-4, 0.0, 0.0])
     c.overhead.set_weights([2e-4, 0.0])
     plain = c.step_time(32, 32, 0, 0)
     assert plain == pytest.approx(1.2e-3)
     one_long = c.step_time(32, 32, 4, 4)        # one sequence proposes 4, the rest nothing
     all_long = c.step_time(32, 32, 128, 4)
-    # One long proposal already pays the draft's 4 passes and the padding of every row.
-    assert one_long - plain == pytest.approx(4e-5 + 128 * 1e-4 + 1e-4 + 4 * 5e-4)
+    # One long proposal already pays the draft's 4 passes, the padding of every row and
+    # the target's verifying at all.
+    assert one_long - plain == pytest.approx(4e-5 + 128 * 1e-4 + 1e-4 + 4 * 5e-4 + 3e-4)
     assert all_long - one_long == pytest.approx(124 * 1e-5)
+
+
+def test_the_fit_tells_verifying_at_all_from_each_level():
+    # The CPU pair at batch 1 (ms): the target's call 3.6 plain, 4.5 with one proposal,
+    # 0.1 more per further one; the draft's 0.5 per call and 1.0 per pass. Early stops
+    # make every level from 1 to 4, and the switch's trials a few plain steps.
+    c = StepCostModel()
+    rng = random.Random(3)
+    for _ in range(200):
+        m = rng.choice([0, 1, 1, 2, 2, 3, 3, 4, 4, 4])
+        c.observe_target(1, 1, m, m, (3.6 + (0.8 + 0.1 * m if m else 0.0)) * 1e-3)
+        if m:
+            c.observe_draft(1, m, 1, m, (0.5 + 1.0 * m) * 1e-3)
+        c.observe_overhead(1, 0.2e-3)
+    price = c.price(1, 1)
+    for m in range(5):
+        truth = 3.8 + (1.3 + 1.1 * m if m else 0.0)
+        assert price.time(m, m) * 1e3 == pytest.approx(truth, rel=0.02), m
+    assert (price.per_pass + price.per_token) * 1e3 == pytest.approx(1.1, rel=0.05)
 
 
 def test_the_fit_is_solved_again_once_a_32nd_of_its_window_is_new():
@@ -158,11 +178,11 @@ def test_the_fit_is_solved_again_once_a_32nd_of_its_window_is_new():
 
 def test_a_price_is_kept_until_the_weights_or_the_batch_change():
     c = StepCostModel()
-    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 1e-4])
+    c.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 1e-4, 0.0])
     first = c.price(4, 4)
     assert c.price(4, 4) is first
     assert c.price(4, 8).plain == pytest.approx(first.plain + 4e-5)
-    c.target.set_weights([2e-3, 0.0, 1e-5, 1e-5, 1e-4])       # behind the model's back
+    c.target.set_weights([2e-3, 0.0, 1e-5, 1e-5, 1e-4, 0.0])       # behind the model's back
     assert c.price(4, 4).plain == pytest.approx(first.plain + 1e-3)
     for _ in range(2 * len(StepCostModel.target_features(1, 1, 1, 1))):
         c.observe_target(4, 4, 0, 0, 0.01)
@@ -184,7 +204,7 @@ def test_a_batch_size_counts_as_measured_once_its_own_bucket_is_and_the_draft_an
         c.observe_draft(2, 4, 2, 8, 0.005)
     assert c.fitted(32, speculating=True)               # the draft's price from batch 2 will do
     given = StepCostModel()
-    given.target.set_weights([1e-3] * 5)
+    given.target.set_weights([1e-3] * 6)
     given.draft.set_weights([1e-3] * 4)
     given.overhead.set_weights([1e-3] * 2)
     assert given.fitted(7, speculating=True)
