@@ -98,7 +98,8 @@ def main() -> None:
         drv.shutdown()
 
     rows = []
-    print(f"{'batch':>5}  {'policy':9} {'tokens/s':>9}  {'spread':>11}  vs best other: medians, within repeats (min-max)")
+    print(f"{'batch':>5}  {'policy':9} {'tokens/s':>9}  {'spread':>11}  vs best other: medians, within repeats "
+          f"(min-max), geometric mean [95 %]")
     for b in batch_sizes:
         medians = {name: statistics.median(tokens_per_s[(b, name)]) for name in policies}
         for name in policies:
@@ -109,8 +110,9 @@ def main() -> None:
             paired = within_repeats(v, best)
             rows.append({"batch_size": b, "policy": name, "tokens_per_s": medians[name], "min": min(v),
                          "max": max(v), "vs_best_other": ratio, "within_repeats_vs_best_other": paired})
+            ci = "[{:.2f}-{:.2f}]".format(*paired["ci95"]) if paired["ci95"] else ""
             print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}   "
-                  f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})")
+                  f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})  {paired['geomean']:.3f} {ci}")
     print(f"\n{'batch':>5}  {'policy':9} ms per step: "
           f"{'step':>7} {'schedule':>9} {'draft':>7} {'verify':>7} {'rest':>7}")
     for row in rows:

@@ -4,7 +4,9 @@ their own embedded Ray)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -12,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, analytic_speedup, batch_prompts, gpu_shares,
-                           paired_ratios, run_order)
+from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, _t975, analytic_speedup, batch_prompts,
+                           gpu_shares, paired_ratios, run_order, within_repeats)
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = [sys.executable, "-m", "runtime.cli"]
@@ -138,6 +140,21 @@ def test_paired_ratios_compare_runs_within_each_repeat():
     assert best["median"] == pytest.approx(100 / 105)
     assert (best["min"], best["max"]) == (pytest.approx(110 / 120), pytest.approx(1.1))
     assert got[("static", "none")]["median"] == pytest.approx(1.0)
+    # The geometric mean and its 95 % interval: Student's t with 2 degrees of freedom on
+    # the log ratios.
+    logs = [math.log(110 / 120), math.log(100 / 105), math.log(55 / 50)]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    assert best["geomean"] == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert best["ci95"] == pytest.approx([math.exp(statistics.fmean(logs) - half),
+                                          math.exp(statistics.fmean(logs) + half)])
+    assert within_repeats([2.0], [1.0])["ci95"] is None and within_repeats([1.0], [0.0]) is None
+
+
+def test_the_t_quantile_matches_students_table():
+    # Two-sided 95 % points of Student's t (any statistics table).
+    table = {1: 12.706, 2: 4.303, 5: 2.571, 10: 2.228, 11: 2.201, 15: 2.131, 20: 2.086, 30: 2.042,
+             60: 2.000, 120: 1.980}
+    assert {df: round(_t975(df), 3) for df in table} == pytest.approx(table, abs=0.002)
 
 
 def test_analytic_speedup_limits():
