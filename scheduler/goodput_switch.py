@@ -104,15 +104,13 @@ class GoodputSwitch:
         self._steps[b] = self._steps.get(b, 0) + 1
         on, off = self.goodput(num_seqs, True, on_goodput), self.goodput(num_seqs, False, off_goodput)
         ahead = on >= off
-        if self._steps[b] >= self._next_trial.setdefault(b, self._steps[b] + self.explore_every):
+        due = self._steps[b] >= self._next_trial.setdefault(b, self._steps[b] + self.explore_every)
+        if due:
             # One trial step. The next is scheduled now, not when this one is observed: a
             # step the switch never sees (one that prefills too) must not leave every
             # following step on trial.
             self._next_trial[b] = self._steps[b] + self._wait.get(b, self.explore_every)
-            self._trial[b] = max(on, off)
-            self._tried_at[b] = self._steps[b]
-            return not ahead
-        if self._doubted(b, ahead, on, off):
+        if due or self._doubted(b, ahead, on, off):
             self._trial[b] = max(on, off)
             self._tried_at[b] = self._steps[b]
             return not ahead
