@@ -238,7 +238,7 @@ class Drift:
 
     def factor(self) -> float:
         """A step's time multiplier; advances one step."""
-        if self.sigma and self.steps % self.period == 0:
+        if self.steps % self.period == 0:
             self.speed = math.exp(self.rng.gauss(0.0, self.sigma))
         self.steps += 1
         return self.speed
@@ -348,7 +348,7 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
                 for name, pol in policies.items():
                     # Every policy of a round meets the same spells, as runs seconds apart do.
                     run = replay_batch(pol, table, b, max_tokens, surface, rng, noise, first=r * b if rotate else 0,
-                                       drift=Drift(drift, drift_period, seed * 100003 + r * 101 + b))
+                                       drift=Drift(drift, drift_period, seed * 100003 + r * 101 + b) if drift else None)
                     out.setdefault((b, name), []).append(run.tokens_per_s)
     return out
 

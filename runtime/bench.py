@@ -507,9 +507,9 @@ def format_table(result: dict) -> str:
         head = f"{'policy':8} {'batch':>5} {'against':>14} {'ratio':>6} {'spread':>11} {'geomean':>8} {'95 %':>11}"
         lines += [head, "-" * len(head)]
         for p in result["paired"]:
-            ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p.get("ci95") else "-"
+            ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
             lines.append(f"{p['policy']:8} {p['batch_size']:>5} {p['against']:>14} {p['median']:>6.3f} "
-                         f"{p['min']:>5.2f}-{p['max']:.2f} {p.get('geomean', p['median']):>8.3f} {ci:>11}")
+                         f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
     lines.append("")
     lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "
                  f"analytic bound={result['analytic_bound']:.2f}x  measured (draft vs none, batch 1)="

@@ -95,7 +95,8 @@ class DraftWorker(ModelWorker):
         token_ids = proposals.flatten().tolist()
         confidence = []
         if stops:
-            # Past a sequence's stop its later passes never ran: nothing to report there.
+            # Past a stop no pass wrote a probability; a row planned with k_i = 0 still ran
+            # pass 0, which proposed nothing.
             confidence = [c if p < m else 0.0 for row, m in zip(conf, lens) for p, c in enumerate(row)]
         return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
                          seq_ids=list(plan.seq_ids), proposal_lens=list(lens), token_ids=token_ids,
