@@ -43,6 +43,10 @@ class RuntimeConfig:
     speculation_policy: str = "static"      # "static" | "adaptive" (per-sequence k_i by goodput)
     disable_by_batch_size: int | None = None # no speculation once this many sequences run
     draft_early_stop: bool = True            # adaptive, batch 1: the draft stops where a proposal would not pay
+    # Adaptive with draft_early_stop: a sequence alone in the batch proposes up to this
+    # many, its draft stopping where the next proposal would not pay (None: twice
+    # num_speculative_tokens); batches of two or more stay within num_speculative_tokens.
+    max_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -86,6 +90,14 @@ class RuntimeConfig:
             _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if not isinstance(self.draft_early_stop, bool):
             raise ValueError(f"draft_early_stop must be True or False, got {self.draft_early_stop!r}")
+        if self.max_speculative_tokens is not None:
+            _positive_int("max_speculative_tokens", self.max_speculative_tokens)
+            if not self._stops:
+                raise ValueError("max_speculative_tokens applies to speculation_policy='adaptive' with "
+                                 "proposer='draft' and draft_early_stop=True (a draft that stops early)")
+            if self.max_speculative_tokens < self.num_speculative_tokens:
+                raise ValueError(f"max_speculative_tokens {self.max_speculative_tokens} must be >= "
+                                 f"num_speculative_tokens {self.num_speculative_tokens}")
         if self.compiled_graph and self.colocate:
             raise ValueError("compiled_graph needs worker actors; colocate=True runs the workers in the driver")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -94,6 +106,23 @@ class RuntimeConfig:
     @property
     def k(self) -> int:
         return 0 if self.proposer == "none" else self.num_speculative_tokens
+
+    @property
+    def _stops(self) -> bool:
+        return self.speculation_policy == "adaptive" and self.proposer == "draft" and self.draft_early_stop
+
+    @property
+    def alone_k(self) -> int | None:
+        """The cap of a sequence alone in the batch, where its draft may stop early; None
+        where no draft stops (every sequence is within ``k``)."""
+        if not self._stops:
+            return None
+        return self.max_speculative_tokens or 2 * self.num_speculative_tokens
+
+    @property
+    def widest_k(self) -> int:
+        """The longest proposal of any step: the lookahead a step may write."""
+        return self.alone_k or self.k
 
 
 def _positive_int(name: str, value, allow_zero: bool = False) -> None:

@@ -83,7 +83,8 @@ class DriverCore:
             num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
             use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, speculation_policy=config.speculation_policy,
-            disable_by_batch_size=config.disable_by_batch_size, draft_early_stop=config.draft_early_stop)
+            disable_by_batch_size=config.disable_by_batch_size, draft_early_stop=config.draft_early_stop,
+            max_speculative_tokens=config.alone_k)
         bs = config.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
@@ -119,6 +120,9 @@ class DriverCore:
         self.eos_ids = model_loader.eos_token_ids(tcfg)
         if config.k >= self.max_model_len:
             raise ValueError(f"num_speculative_tokens {config.k} must be below max_model_len {self.max_model_len}")
+        if (config.max_speculative_tokens or 0) >= self.max_model_len:
+            raise ValueError(f"max_speculative_tokens {config.max_speculative_tokens} must be below "
+                             f"max_model_len {self.max_model_len}")
         draft_len = None
         if config.proposer == "draft":
             dcfg = model_loader.load_config(config.draft)
@@ -134,7 +138,8 @@ class DriverCore:
     # -- client API ----------------------------------------------------------------
     def info(self) -> dict:
         return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
-                "num_speculative_tokens": self.config.k, "proposer": self.config.proposer,
+                "num_speculative_tokens": self.config.k, "max_speculative_tokens": self.config.widest_k,
+                "proposer": self.config.proposer,
                 "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None}
 
     def submit(self, prompts: list, params: list) -> SubmitReply:
@@ -287,7 +292,8 @@ class DriverCore:
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a compiled graph's channel right now
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
-                 num_speculative_tokens=self.config.k, proposer=self.config.proposer,
+                 num_speculative_tokens=self.config.k, max_speculative_tokens=self.config.widest_k,
+                 proposer=self.config.proposer,
                  last_error=self._last_error)
         return m
 

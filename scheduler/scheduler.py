@@ -44,6 +44,7 @@ class SchedulerConfig:
     speculation_policy: str = "static"   # "static" | "adaptive" (goodput-based, per sequence)
     disable_by_batch_size: int | None = None
     draft_early_stop: bool = True        # adaptive, batch 1: the draft stops where a proposal stops paying
+    max_speculative_tokens: int | None = None   # adaptive with early stops: a sequence alone's cap
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -77,7 +78,12 @@ class Scheduler:
         """``draft_pools``: the draft workers' pools (None for a proposer without KV, such
         as n-gram lookup, of which there are ``num_proposers``)."""
         self.config = config
-        self.k = config.num_speculative_tokens if config.use_proposer else 0
+        self.policy = SpeculationPolicy(config.speculation_policy, config.num_speculative_tokens,
+                                        config.disable_by_batch_size, stop_early=config.draft_early_stop,
+                                        alone_k_max=config.max_speculative_tokens)
+        # The widest step: lookahead slots are reserved and caps computed for it; the
+        # policy keeps a batch within num_speculative_tokens.
+        self.k = self.policy.widest_k if config.use_proposer else 0
         self.target_pools = _as_list(target_pools)
         self.draft_pools = _as_list(draft_pools) if draft_pools is not None else []
         if not self.target_pools:
@@ -86,8 +92,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecStats(k=self.k)
-        self.policy = SpeculationPolicy(config.speculation_policy, self.k, config.disable_by_batch_size,
-                                        stop_early=config.draft_early_stop)
         self._step_id = 0
         # Frees the workers have not been told about yet; they travel with the next plan.
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
@@ -187,9 +191,10 @@ class Scheduler:
         ks = self.policy.choose(caps, [s.acceptance for s in self.running], fed)
         planned = {s.seq_id: k for s, k in zip(self.running, ks)}
         if self.policy.kind == "static":
-            newcomer = self.k
+            newcomer = self.policy.k_max
         elif ks:
-            newcomer = round(sum(ks) / len(ks))
+            # Within k_max: a sequence alone may plan further, but a newcomer makes a batch.
+            newcomer = min(round(sum(ks) / len(ks)), self.policy.k_max)
         else:
             # Nothing running to go by: what the model would give a fresh sequence. Not k
             # regardless: with a draft that has been failing, every newcomer would cost the

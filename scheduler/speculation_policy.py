@@ -17,8 +17,9 @@ plus the cheapest way to reach depth m); the level whose best choice is best win
 may be level 0: speculation off when verifying extra tokens costs more than they return
 (large batches).
 
-A sequence alone in the batch (``stop_early``) proposes up to its cap, and its draft
-stops once the chance that all its proposals so far are accepted (the draft's
+A sequence alone in the batch (``stop_early``) proposes up to its cap, which may reach
+``alone_k_max`` (past ``k_max``, the most a sequence in a larger batch proposes), and its
+draft stops once the chance that all its proposals so far are accepted (the draft's
 probability of each, calibrated against what the target accepted:
 scheduler.draft_confidence) times its rate falls below the break-even gain of one more
 proposal: the model's goodput of the chosen level times what one more proposal costs (a
@@ -29,6 +30,13 @@ learn its own best k); in ``specray bench`` at batch 1 (32 prompts) adaptive ran
 of static k in three runs without this and 0.96-1.03 in five with it. In a larger batch the stops
 are not used: a pass is shared, the rule above misprices it, and they measured 3-9 %
 lower at batch 32.
+
+Stops are also why a sequence alone may reach further than a batch: a fixed k must
+stop where the average text stops paying, a stopping draft only where this text does.
+In process on the built-in pair at batch 1 (30 prompts, ratios to static k = 4 within
+repeats), static k = 6 / 8 / 10 ran 1.10 / 1.10 / 0.98 and adaptive with stops up to
+4 / 6 / 8 / 10 ran 1.04 / 1.11 / 1.18 / 1.13: with its cap at k = 4 adaptive could
+only trim the best fixed k's proposals, not follow the easy stretches past it.
 
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
@@ -78,7 +86,7 @@ POLICIES = ("static", "adaptive")
 @dataclass
 class SpeculationPolicy:
     kind: str = "static"
-    k_max: int = 4
+    k_max: int = 4                   # the most a sequence proposes (alone: alone_k_max)
     disable_by_batch_size: int | None = None
     prior_acceptance: float = 0.6
     decay: float = 0.98              # a sequence's last fifty-odd steps count
@@ -96,6 +104,7 @@ class SpeculationPolicy:
     spread: RateSpread = field(default_factory=RateSpread)
     levels: LevelCorrection = field(default_factory=LevelCorrection)
     stop_early: bool = True          # adaptive, batch 1: the draft stops where proposing stops paying
+    alone_k_max: int | None = None   # with stop_early, the cap of a sequence alone (None: k_max)
     confidence: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
@@ -117,6 +126,8 @@ class SpeculationPolicy:
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
             raise ValueError(f"speculation_policy must be one of {POLICIES}, got {self.kind!r}")
+        if self.alone_k_max is not None and self.alone_k_max < self.k_max:
+            raise ValueError(f"alone_k_max {self.alone_k_max} must be >= k_max {self.k_max}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if not 0.0 < self.decay <= 1.0:
@@ -130,8 +141,11 @@ class SpeculationPolicy:
         self._break_even = 0.0
         if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
             return [0] * n
+        if not (self.kind == "adaptive" and self.stop_early and n == 1):
+            # Caps come from the scheduler's widest k (a sequence alone, see alone_k_max).
+            caps = [min(c, self.k_max) for c in caps]
         if self.kind == "static":
-            return list(caps)
+            return caps
         # What each sequence's proposals are worth changes only when somebody's outcome
         # comes in, and the price of a step only when the cost model re-solves: with
         # speculation off, most steps see neither, and the policy's own time is then all
@@ -187,6 +201,13 @@ class SpeculationPolicy:
         return chosen
 
     @property
+    def widest_k(self) -> int:
+        """The longest proposal this policy ever chooses: the scheduler's lookahead."""
+        if self.kind == "adaptive" and self.stop_early and self.alone_k_max is not None:
+            return self.alone_k_max
+        return self.k_max
+
+    @property
     def stopping(self) -> bool:
         """Whether the last choice's drafts get floors (see min_reach)."""
         return self._break_even > 0
@@ -214,6 +235,8 @@ class SpeculationPolicy:
         batch 1 speculation nearly always pays, and every newcomer's draft would prefill
         in a batch where it does not. No switch or exploration state is touched."""
         n = max(1, num_seqs)
+        # A newcomer's first step has no floors (nothing chose them), so no reach past k_max.
+        cap = min(cap, self.k_max)
         rates = self._rates([AcceptanceEstimate()]) * n
         per_level = LevelChoices(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
         best = self._best_level(n, per_level)

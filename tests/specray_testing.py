@@ -27,10 +27,11 @@ class FixedFloorPolicy(SpeculationPolicy):
         return True
 
     def choose(self, caps, estimates, fed_tokens):
-        return list(caps)
+        # Within its k, as static k: the scheduler's caps reach an adaptive runtime's widest step.
+        return [min(c, self.k_max) for c in caps]
 
     def fresh_k(self, cap, num_seqs=1):
-        return cap
+        return min(cap, self.k_max)
 
     def min_reach(self, estimate):
         return self.floor

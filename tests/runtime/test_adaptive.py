@@ -65,6 +65,18 @@ def test_identical_draft_climbs_to_k_max(llama_pair):
     assert all(k == K for step in ks[3:6] for k in step)
 
 
+def test_a_request_alone_reaches_past_k_and_stays_exact(llama_pair):
+    """Alone in the batch, with its draft stopping early, a request proposes up to
+    max_speculative_tokens (twice k by default): an identical draft gets there."""
+    t, _ = llama_pair
+    cfg = RuntimeConfig(target=t, draft=t, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
+                        speculation_policy="adaptive")
+    outs, ks, m = run_spying(cfg, prompts()[:1], 60, cheap_draft_cost())
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts()[:1], 60)
+    assert max(k for step in ks for k in step) == 2 * K
+    assert len(m["acceptance_by_position"]) == 2 * K and m["acceptance_rate"] == 1.0
+
+
 def test_unrelated_draft_falls_to_zero_with_probes(llama_pair, tmp_path):
     t, _ = llama_pair
     torch.manual_seed(123)

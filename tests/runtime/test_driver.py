@@ -59,11 +59,33 @@ def test_requests_alone_stop_their_drafts_early_and_stay_exact(llama_pair, early
     try:
         outs = [drv.wait(drv.submit([p], [params]).request_ids, timeout=300)[0] for p in prompts]
         policy = drv.scheduler.policy
+        info, m = drv.info(), drv.metrics()
     finally:
         drv.shutdown()
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts, 40)
     assert policy.stop_early is early_stop
     assert (policy.confidence.observations > 0) is early_stop
+    # Alone with stops, a request may propose past num_speculative_tokens (twice it by
+    # default; test_adaptive.py checks that it does).
+    assert info["max_speculative_tokens"] == m["max_speculative_tokens"] == (8 if early_stop else 4)
+
+
+def test_max_speculative_tokens_is_checked(llama_pair):
+    t, d = llama_pair
+    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive").widest_k == 8
+    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=6).widest_k == 6
+    assert RuntimeConfig(target=t, draft=d).widest_k == 4
+    with pytest.raises(ValueError, match="max_speculative_tokens applies to speculation_policy='adaptive'"):
+        RuntimeConfig(target=t, draft=d, max_speculative_tokens=8)
+    with pytest.raises(ValueError, match="max_speculative_tokens applies"):
+        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", draft_early_stop=False, max_speculative_tokens=8)
+    with pytest.raises(ValueError, match="max_speculative_tokens 3 must be >= num_speculative_tokens 4"):
+        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=3)
+    with pytest.raises(ValueError, match="max_speculative_tokens must be an int >= 1"):
+        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens="8")
+    with pytest.raises(ValueError, match="max_speculative_tokens 64 must be below max_model_len 32"):
+        DriverCore(RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=64,
+                                 max_model_len=32, device="cpu"), backend="local")
 
 
 def test_draft_early_stop_must_be_a_bool(llama_pair):

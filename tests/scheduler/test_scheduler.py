@@ -1762,6 +1762,37 @@ def test_drafts_that_stop_early_keep_outputs_and_bookkeeping_exact():
     assert pol.confidence.observations == len(reported)
 
 
+def test_a_sequence_alone_proposes_past_k_and_a_batch_stays_within_it():
+    """max_speculative_tokens: alone, a sequence plans up to 8 proposals with floors (its
+    draft stops where they stop paying) and 8 lookahead slots are reserved for it; once a
+    second sequence runs, both stay within num_speculative_tokens (the step admitting it
+    keeps the plan made for the first alone; the newcomer gets at most k). Outputs stay
+    exact."""
+    eng = build(k=4, speculation_policy="adaptive", max_speculative_tokens=8)
+    assert eng.sched.k == 8
+    cost = eng.sched.policy.cost
+    cost.target.set_weights([1e-3, 0.0, 1e-5, 1e-5, 0.0, 0.0])
+    cost.draft.set_weights([1e-4, 1e-5, 1e-5, 1e-5])
+    cost.overhead.set_weights([0.0, 0.0])
+    plans = []
+    eng.on_plan = lambda step: plans.append([p for p in step.draft_plans if p is not None and p.seq_ids])
+    ref = add_requests(eng, [(1, 10, 120)])
+    for _ in range(8):
+        eng.step()
+    alone = [p for ps in plans[1:] for p in ps]
+    assert alone and all(p.k == 8 and p.proposal_lens == [8] and p.min_reach[0] > 0 for p in alone)
+    ref.update(add_requests(eng, [(2, 6, 40)]))
+    plans.clear()
+    eng.run()
+    assert_matches_reference(eng, ref)
+    together = [p for ps in plans for p in ps if p.num_seqs == 2]
+    assert together[0].proposal_lens == [8, 4]
+    assert len(together) > 3 and all(p.k <= 4 and not p.min_reach for p in together[1:])
+    # The first sequence outlives the second: alone again, it reaches past k again.
+    assert any(p.k > 4 for ps in plans[-5:] for p in ps)
+    assert eng.sched.stats.num_stopped_proposals > 0
+
+
 def test_a_static_policy_never_asks_drafts_to_stop():
     eng = build(k=4)
     plans = []

@@ -306,6 +306,28 @@ def test_a_sequence_alone_proposes_to_its_cap_and_its_draft_stops_where_proposin
     assert static.choose([4], [fair], fed_tokens=1) == [4] and static.min_reach(fair) == 0.0
 
 
+def test_a_sequence_alone_may_reach_past_k_max_and_a_batch_may_not():
+    """alone_k_max widens only the stopping draft's reach: a batch, a newcomer's first step
+    (no floors yet) and a static policy stay within k_max, whatever the scheduler's caps."""
+    cheap = lambda: controlled_cost(t_tok=1e-5, d_pass=1e-5)      # noqa: E731
+    p = SpeculationPolicy("adaptive", 4, cost=cheap(), alone_k_max=8)
+    assert p.widest_k == 8
+    good = est(50, 1)
+    assert p.choose([8], [good], fed_tokens=1) == [8]
+    assert p.stopping and 0 < p.min_reach(good) < 1
+    assert p.choose([8, 8], [est(50, 1), est(50, 1)], fed_tokens=2) == [4, 4]
+    assert not p.stopping
+    assert p.choose([6, 3], [est(50, 1), est(50, 1)], fed_tokens=2) == [4, 3]
+    assert p.fresh_k(8) == 4
+    # Without stops nothing is different alone: no draft would cut the tail.
+    calm = SpeculationPolicy("adaptive", 4, cost=cheap(), alone_k_max=8, stop_early=False)
+    assert calm.widest_k == 4 and calm.choose([8], [good], fed_tokens=1) == [4]
+    static = SpeculationPolicy("static", 4, alone_k_max=8)
+    assert static.widest_k == 4 and static.choose([8, 2], [good, good], fed_tokens=2) == [4, 2]
+    with pytest.raises(ValueError, match="alone_k_max 3 must be >= k_max 4"):
+        SpeculationPolicy("adaptive", 4, alone_k_max=3)
+
+
 def test_the_calibration_learns_from_what_the_drafts_report():
     p = SpeculationPolicy("adaptive", 4)
     e = est(5, 5)
