@@ -248,7 +248,9 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
                  surface: StepSurface, rng: random.Random, noise: float = 0.05, first: int = 0,
                  drift: Drift | None = None) -> ReplayedBatch:
     """One closed batch of ``batch`` of the table's prompts from the ``first``-th on
-    (wrapping around), all admitted together; ``policy`` None is plain decoding."""
+    (wrapping around), all admitted together; ``policy`` None is plain decoding. Caps
+    reach the table's ``k``, as a runtime's reach its widest step: each policy keeps
+    within its own."""
     k = table.k
     adaptive = policy is not None and policy.kind == "adaptive"
     rows = [(first + i) % len(table.matches) for i in range(batch)]
@@ -276,7 +278,7 @@ def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch
             # batch's floors).
             if adaptive:
                 policy.choose([], [], 0)
-            k0 = policy.fresh_k(k, n) if adaptive else k
+            k0 = policy.fresh_k(k, n) if adaptive else policy.k_max
             ks = [min(k0, c) for c in caps]
         else:
             ks = policy.choose(caps, [s["est"] for s in live], n)
@@ -387,7 +389,9 @@ def main() -> None:
     ap.add_argument("--table", help="replay this acceptance table")
     ap.add_argument("--target", default=str(MODELS / "tiny-target"))
     ap.add_argument("--draft", default=str(MODELS / "tiny-draft"))
-    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("-k", type=int, default=None,
+                    help="recording: the draft's proposals per position (default 4); replaying: static k and "
+                         "adaptive's k, a request alone reaching up to twice it within the table's (default: the table's)")
     ap.add_argument("--prompts", type=int, default=32, help="bench prompts to record (the largest batch)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -408,18 +412,23 @@ def main() -> None:
         ap.error("give exactly one of --record and --table")
     if args.record:
         from runtime.stdlib_corpus import held_out_prompts
-        table = record(args.target, args.draft, held_out_prompts(args.prompts), args.tokens, args.k)
+        table = record(args.target, args.draft, held_out_prompts(args.prompts), args.tokens, args.k or 4)
         Path(args.record).write_text(table.to_json())
         mean = statistics.mean(x for row in table.matches for x in row)
         print(f"wrote {args.record}: {len(table.matches)} prompts x {args.tokens} positions, mean match {mean:.2f}")
         return
     table = AcceptanceTable.from_json(Path(args.table).read_text())
     stops = table.confidence is not None
-    factories = {"static": lambda: SpeculationPolicy("static", table.k), "none": lambda: None,
-                 "adaptive": policy_factory({"k_max": table.k}, stops)}
+    k = args.k or table.k
+    if k > table.k:
+        ap.error(f"-k {k} is past the table's {table.k} proposals per position")
+    # As the runtime does: alone (with stops) a request reaches twice k, here within the table.
+    caps = {"k_max": k, "alone_k_max": min(2 * k, table.k)}
+    factories = {"static": lambda: SpeculationPolicy("static", k), "none": lambda: None,
+                 "adaptive": policy_factory(caps, stops)}
     for spec in args.variant:
         name, _, kw = spec.partition("=")
-        factories[name] = policy_factory({"k_max": table.k, **json.loads(kw or "{}")}, stops)
+        factories[name] = policy_factory({**caps, **json.loads(kw or "{}")}, stops)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     res = replay_bench(factories, table, batch_sizes, args.tokens, args.repeats, args.seeds, SURFACES[args.surface](),
                        args.noise, rotate=args.rotate_prompts, drift=args.drift, drift_period=args.drift_period)

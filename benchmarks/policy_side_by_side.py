@@ -3,12 +3,15 @@ project has on a shared machine.
 
     python benchmarks/policy_side_by_side.py [--target DIR --draft DIR | --random-draft]
                                              [--batch-sizes 1,8,32] [--tokens 64] [--repeats 5]
-                                             [--rotate-prompts]
+                                             [--rotate-prompts] [--static-k 6,8]
+                                             [--max-speculative-tokens N]
 
 One in-process driver (workers co-located, no Ray) serves every run; before each run its
 scheduler gets one of several policy objects, each keeping what it has learned across
 its own runs: static k, adaptive, and plain decoding (static with speculation disabled
-at batch 1, so the draft is never called). Runs go policy by policy within each repeat
+at batch 1, so the draft is never called). ``--static-k`` adds fixed k's (up to the
+adaptive cap of a request alone, ``--max-speculative-tokens``, twice k by default), so
+adaptive can be held to the best fixed k rather than to one. Runs go policy by policy within each repeat
 and batch size, in an order rotated per repeat, so machine noise hits them alike.
 Reports median tokens/s and the min-max spread per (batch, policy), and each one's
 ratio to the best other: of medians, and within each repeat (median, min-max). Then, per
@@ -51,6 +54,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rotate-prompts", action="store_true",
                     help="each repeat serves the next held-out prompts (batch 1: another text every repeat)")
+    ap.add_argument("--static-k", default="", help="more fixed k's to run, e.g. 6,8")
+    ap.add_argument("--max-speculative-tokens", type=int, default=None,
+                    help="adaptive: the cap of a request alone (default: twice -k)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -66,11 +72,17 @@ def main() -> None:
     torch.set_num_threads(1)      # as in Ray actors and specray bench
     draft = random_copy(args.draft, tempfile.mkdtemp(prefix="random-draft-")) if args.random_draft else args.draft
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    drv = DriverCore(RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=args.k, device="cpu",
-                                   dtype="float32", speculation_policy="adaptive",
-                                   max_num_seqs=max(batch_sizes)), backend="local")
-    policies = {"static": SpeculationPolicy("static", args.k), "adaptive": SpeculationPolicy("adaptive", args.k),
-                "none": SpeculationPolicy("static", args.k, disable_by_batch_size=1)}
+    config = RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=args.k, device="cpu",
+                           dtype="float32", speculation_policy="adaptive", max_num_seqs=max(batch_sizes),
+                           max_speculative_tokens=args.max_speculative_tokens)
+    static_ks = sorted({int(x) for x in args.static_k.split(",") if x.strip()} - {args.k})
+    if static_ks and not 1 <= min(static_ks) <= max(static_ks) <= config.widest_k:
+        ap.error(f"--static-k must lie in [1, {config.widest_k}], the runtime's widest step")
+    drv = DriverCore(config, backend="local")
+    # A fixed k below the runtime's widest step keeps to its own k (the policy caps it).
+    policies = {"static": SpeculationPolicy("static", args.k), "adaptive": drv.scheduler.policy,
+                "none": SpeculationPolicy("static", args.k, disable_by_batch_size=1),
+                **{f"static{k}": SpeculationPolicy("static", k) for k in static_ks}}
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     tokens_per_s: dict[tuple[int, str], list[float]] = {}
     phase_s: dict[tuple[int, str], Counter] = {}
@@ -108,11 +120,19 @@ def main() -> None:
             # The same comparison repeat by repeat: each ratio's runs ran seconds apart.
             best = [max(xs) for xs in zip(*(tokens_per_s[(b, o)] for o in policies if o != name))]
             paired = within_repeats(v, best)
-            rows.append({"batch_size": b, "policy": name, "tokens_per_s": medians[name], "min": min(v),
+            rows.append({"batch_size": b, "policy": name, "tokens_per_s": medians[name], "samples": v, "min": min(v),
                          "max": max(v), "vs_best_other": ratio, "within_repeats_vs_best_other": paired})
             ci = "[{:.2f}-{:.2f}]".format(*paired["ci95"]) if paired["ci95"] else ""
             print(f"{b:5d}  {name:9} {medians[name]:9.1f}  {min(v):5.0f}-{max(v):<5.0f}  {ratio:.3f}   "
                   f"{paired['median']:.3f} ({paired['min']:.2f}-{paired['max']:.2f})  {paired['geomean']:.3f} {ci}")
+    if "adaptive" in policies:
+        print(f"\n{'batch':>5}  adaptive over each, within repeats: geometric mean [95 %]")
+        for b in batch_sizes:
+            pairs = {name: within_repeats(tokens_per_s[(b, "adaptive")], tokens_per_s[(b, name)])
+                     for name in policies if name != "adaptive"}
+            print(f"{b:5d}  " + "  ".join(f"{name} {r['geomean']:.3f}" + (" [{:.2f}-{:.2f}]".format(*r["ci95"])
+                                                                          if r["ci95"] else "")
+                                          for name, r in pairs.items()))
     print(f"\n{'batch':>5}  {'policy':9} ms per step: "
           f"{'step':>7} {'schedule':>9} {'draft':>7} {'verify':>7} {'rest':>7}")
     for row in rows:

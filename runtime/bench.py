@@ -40,6 +40,9 @@ class BenchSettings:
     # text every repeat (see ``batch_prompts``).
     rotate_prompts: bool = False
     draft_early_stop: bool = True             # the adaptive draft runs' drafts stop early at batch 1
+    max_speculative_tokens: int | None = None # the adaptive runs' cap for a request alone (None: 2 k)
+    # More fixed k's for the draft at batch 1, where adaptive is held to the best of them.
+    static_ks: tuple[int, ...] = ()
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
@@ -54,6 +57,7 @@ class Run:
     batch_size: int
     mode: str = "greedy"               # "greedy" | "sampled"
     policy: str = "static"
+    k: int | None = None               # an extra static run's fixed k (static_ks); None: the bench's k
     tokens_per_s: float = 0.0
     tokens_per_s_min: float = 0.0
     tokens_per_s_max: float = 0.0
@@ -72,7 +76,12 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        return (self.system, self.proposer, self.batch_size, self.mode, self.policy)
+        return (self.system, self.proposer, self.batch_size, self.mode, self.policy, self.k)
+
+    @property
+    def label(self) -> str:
+        return (self.proposer + (f"/{self.policy}" if self.proposer == "draft" else "")
+                + (f"/k{self.k}" if self.k is not None else ""))
 
     def finish(self) -> None:
         self.tokens_per_s = statistics.median(self.samples)
@@ -189,7 +198,7 @@ def random_copy(model_dir: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
+def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]]) -> dict:
     """RuntimeConfig fields that let every runtime of the bench fit on one GPU. Runs
     interleave, so all runtimes live at once, and a worker on CUDA asks Ray for a whole GPU
     by default: on a one-GPU machine the second runtime would wait for ever. Each actor
@@ -199,13 +208,13 @@ def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str]]) -> dict:
 
     if resolve_device(s.device).type != "cuda":
         return {}
-    holders = len(spec_configs) if s.colocate else sum(1 + (p == "draft") for p, _ in spec_configs)
+    holders = len(spec_configs) if s.colocate else sum(1 + (p == "draft") for p, *_ in spec_configs)
     share = {"GPU": math.floor(100 / holders) / 100}
     return {"target_resources": dict(share), "draft_resources": dict(share)}
 
 
-def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]], max_model_len: int) -> dict:
-    """(proposer, policy) -> a started SpecRuntime. The first starts alone (it may start
+def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]], max_model_len: int) -> dict:
+    """(proposer, policy, k) -> a started SpecRuntime (k None: the bench's). The first starts alone (it may start
     Ray), the others together: a start is mostly each actor importing and loading on its
     own, and one after another they took half a minute on two cores.
 
@@ -219,12 +228,13 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str]], max_m
 
     shares = gpu_shares(s, spec_configs)
 
-    def start(proposer: str, policy: str) -> SpecRuntime:
+    def start(proposer: str, policy: str, k: int | None) -> SpecRuntime:
+        stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive"
         return SpecRuntime(RuntimeConfig(
             target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
-            num_speculative_tokens=s.k, device=s.device, dtype=s.dtype, block_size=s.block_size,
+            num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, block_size=s.block_size,
             max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
-            draft_early_stop=s.draft_early_stop and proposer == "draft" and policy == "adaptive",
+            draft_early_stop=stops, max_speculative_tokens=s.max_speculative_tokens if stops else None,
             colocate=s.colocate,
             compiled_graph=s.compiled_graph, **shares))
 
@@ -269,19 +279,21 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     hf = HFRunner(s)
 
-    spec_configs = [("draft", pol) for pol in s.policies] + [("ngram", "static"), ("none", "static")]
-    # Room for the longest prompt, its tokens and one step's lookahead past them.
-    runtimes = _start_runtimes(s, spec_configs, max(map(len, prompts)) + s.max_tokens + s.k + 1)
-    # One configuration = (system, proposer, batch size, mode, policy).
-    plan: list[tuple[str, str, int, str, str]] = []
+    spec_configs = [("draft", pol, None) for pol in s.policies] + [("ngram", "static", None), ("none", "static", None)]
+    sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k]
+    # Room for the longest prompt, its tokens and the widest step's lookahead past them.
+    lookahead = max(s.k, *s.static_ks, s.max_speculative_tokens or 2 * s.k)
+    runtimes = _start_runtimes(s, spec_configs + sweep, max(map(len, prompts)) + s.max_tokens + lookahead + 1)
+    # One configuration = (system, proposer, batch size, mode, policy, k).
+    plan: list[tuple[str, str, int, str, str, int | None]] = []
     # Batch 1 always runs: the analytic bound and the assisted-generation comparison are
     # batch-1 measurements.
     for b in sorted(set(s.batch_sizes) | {1}):
-        for proposer, policy in spec_configs:
-            plan.append(("specray", proposer, b, "greedy", policy))
-        plan.append(("hf", "none", b, "greedy", "static"))
-    plan += [("hf", "assisted", 1, "greedy", "static"), ("hf", "assisted", 1, "sampled", "static"),
-             ("specray", "draft", 1, "sampled", s.policies[0])]
+        for proposer, policy, k in spec_configs + (sweep if b == 1 else []):
+            plan.append(("specray", proposer, b, "greedy", policy, k))
+        plan.append(("hf", "none", b, "greedy", "static", None))
+    plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
+             ("specray", "draft", 1, "sampled", s.policies[0], None)]
     runs = {key: Run(*key) for key in plan}
     check = OutputCheck()
     phase = {"draft_s": [], "verify_none_s": []}
@@ -293,14 +305,14 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         bar = tqdm(total=len(plan) * s.repeats, desc="bench", disable=not s.progress, unit="run")
         for rep in range(s.repeats):
             for key in run_order(plan, rep):
-                system, proposer, b, mode, policy = key
-                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode} {policy}")
+                system, proposer, b, mode, policy, k = key
+                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode} {policy}" + (f" k={k}" if k else ""))
                 run = runs[key]
                 ids = batch_prompts(len(prompts), b, rep, s.rotate_prompts)
                 batch = [prompts[i] for i in ids]
                 temp = s.temperature if mode == "sampled" else 0.0
                 if system == "specray":
-                    rt = runtimes[(proposer, policy)]
+                    rt = runtimes[(proposer, policy, k)]
                     before = rt.metrics()
                     params = SamplingParams(max_tokens=s.max_tokens, temperature=temp, seed=rep if temp else None)
                     t0 = time.perf_counter()
@@ -316,7 +328,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     run.steps += steps
                     for key in PHASES.values():
                         run.phase_s[key] = run.phase_s.get(key, 0.0) + after[key] - before[key]
-                    if b == 1 and mode == "greedy" and (proposer == "none" or policy == s.policies[0]):
+                    if b == 1 and mode == "greedy" and k is None and (proposer == "none" or policy == s.policies[0]):
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
                             phase["draft_s"].append((after["draft_s"] - before["draft_s"]) / max(1, calls))
@@ -330,7 +342,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                         run.seq_steps += max(1, calls - 1)
                 run.samples.append(sum(len(g) for g in gen) / dt)
                 if mode == "greedy":
-                    check.check(f"{system}/{proposer}/{policy}/b{b}", ids, gen)
+                    check.check(f"{system}/{run.label}/b{b}", ids, gen)
                 bar.update(1)
         bar.close()
     finally:
@@ -341,8 +353,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         # Assisted generation's acceptance is not observable from outside; its mean
         # accepted length is tokens per target forward call.
         run.finish()
-    spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0])]
-    none1 = runs[("specray", "none", 1, "greedy", "static")]
+    spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0], None)]
+    none1 = runs[("specray", "none", 1, "greedy", "static", None)]
     alpha = spec1.acceptance_rate or 0.0
     c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
     bound = analytic_speedup(alpha, c, s.k)
@@ -351,7 +363,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
         "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
-        "rotate_prompts": s.rotate_prompts,
+        "rotate_prompts": s.rotate_prompts, "static_ks": sorted(set(s.static_ks) - {s.k}),
+        "max_speculative_tokens": (s.max_speculative_tokens or 2 * s.k) if "adaptive" in s.policies
+        and s.draft_early_stop else None,
         "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "runs": [_public(r) for r in runs.values()],
@@ -420,7 +434,7 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
     for run in runs:
         if run.system != "specray" or run.proposer != "draft" or run.mode != "greedy":
             continue
-        others = {f"{o.proposer}" + (f"/{o.policy}" if o.proposer == "draft" else ""): o.samples for o in runs
+        others = {o.label: o.samples for o in runs
                   if o.system == "specray" and o.mode == "greedy" and o.batch_size == run.batch_size
                   and o.proposer in ("draft", "none") and o is not run}
         if not others:
@@ -428,7 +442,8 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
         others["best other"] = [max(xs) for xs in zip(*others.values())]
         for name, base in others.items():
             if (ratio := within_repeats(run.samples, base)) is not None:
-                out.append({"batch_size": run.batch_size, "policy": run.policy, "against": name, **ratio})
+                out.append({"batch_size": run.batch_size, "policy": run.policy, "k": run.k, "against": name,
+                            **ratio})
     return out
 
 
@@ -456,7 +471,8 @@ def _plot(result: dict, path: Path) -> Path | None:
         return None
     runs = [r for r in result["runs"] if r["mode"] == "greedy"]
     for r in runs:
-        r["label"] = f"{r['system']}/{r['proposer']}" + (f"/{r['policy']}" if r["proposer"] == "draft" else "")
+        r["label"] = (f"{r['system']}/{r['proposer']}" + (f"/{r['policy']}" if r["proposer"] == "draft" else "")
+                      + (f"/k{r['k']}" if r.get("k") is not None else ""))
     labels = sorted({r["label"] for r in runs})
     sizes = sorted({r["batch_size"] for r in runs})
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -482,6 +498,10 @@ def _plot(result: dict, path: Path) -> Path | None:
     return path
 
 
+def _policy(r: dict) -> str:
+    return r["policy"] + (f" k{r['k']}" if r.get("k") is not None else "")
+
+
 def format_table(result: dict) -> str:
     head = f"{'system':8} {'proposer':9} {'policy':8} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
     lines = [head, "-" * len(head)]
@@ -489,7 +509,7 @@ def format_table(result: dict) -> str:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
-        lines.append(f"{r['system']:8} {r['proposer']:9} {r['policy']:8} {r['mode']:8} {r['batch_size']:>5} "
+        lines.append(f"{r['system']:8} {r['proposer']:9} {_policy(r):8} {r['mode']:8} {r['batch_size']:>5} "
                      f"{r['tokens_per_s']:>10.1f} {spread:>17} {acc:>7} {mal:>8}")
     lines.append("")
     lines.append("per step, ms (draft and verify: the workers' own compute; overhead: the rest of the step)")
@@ -498,7 +518,7 @@ def format_table(result: dict) -> str:
     lines += [head, "-" * len(head)]
     for r in result["runs"]:
         if r["step_ms"] and r["mode"] == "greedy":
-            lines.append(f"{r['proposer']:9} {r['policy']:8} {r['batch_size']:>5} "
+            lines.append(f"{r['proposer']:9} {_policy(r):8} {r['batch_size']:>5} "
                          + " ".join(f"{r['step_ms'][n]:>9.3f}" for n in names))
     if result.get("paired"):
         lines.append("")
@@ -508,7 +528,7 @@ def format_table(result: dict) -> str:
         lines += [head, "-" * len(head)]
         for p in result["paired"]:
             ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
-            lines.append(f"{p['policy']:8} {p['batch_size']:>5} {p['against']:>14} {p['median']:>6.3f} "
+            lines.append(f"{_policy(p):8} {p['batch_size']:>5} {p['against']:>14} {p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
     lines.append("")
     lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "

@@ -49,7 +49,8 @@ def cmd_bench(args) -> int:
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
-                      draft_early_stop=args.draft_early_stop)
+                      draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
+                      static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()))
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of the same ones")
     b.add_argument("--no-draft-early-stop", dest="draft_early_stop", action="store_false",
                    help="the adaptive runs' drafts propose their whole k_i at batch 1 (no early stops)")
+    b.add_argument("--max-speculative-tokens", type=int, default=None,
+                   help="the adaptive runs' cap for a request alone, its draft stopping early (default: twice -k)")
+    b.add_argument("--static-k", default="",
+                   help="more fixed k's for the draft at batch 1, e.g. 6,8: adaptive is held to the best of them")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

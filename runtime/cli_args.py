@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--no-draft-early-stop", dest="draft_early_stop", action="store_false",
                    help="with --policy adaptive: a request alone proposes its whole k_i (no early stops)")
+    p.add_argument("--max-speculative-tokens", type=int, default=None,
+                   help="with --policy adaptive: a request alone proposes up to this many, its draft "
+                        "stopping early (default: twice -k)")
     p.add_argument("--colocate", action="store_true",
                    help="run draft and target inside the driver's actor (one process, no hops per step)")
     p.add_argument("--compiled-graph", action="store_true",
@@ -72,5 +75,6 @@ def runtime_config(args, **extra):
         placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout,
         ray_address=args.ray_address,
         speculation_policy=args.policy, disable_by_batch_size=args.disable_by_batch_size,
-        draft_early_stop=args.draft_early_stop, colocate=args.colocate,
+        draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
+        colocate=args.colocate,
         compiled_graph=args.compiled_graph, **extra)

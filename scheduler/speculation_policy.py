@@ -141,9 +141,10 @@ class SpeculationPolicy:
         self._break_even = 0.0
         if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
             return [0] * n
-        if not (self.kind == "adaptive" and self.stop_early and n == 1):
-            # Caps come from the scheduler's widest k (a sequence alone, see alone_k_max).
-            caps = [min(c, self.k_max) for c in caps]
+        # Caps come from the scheduler's widest step: a sequence alone, whose draft stops
+        # early, may reach alone_k_max; anyone else k_max.
+        limit = self.widest_k if n == 1 else self.k_max
+        caps = [min(c, limit) for c in caps]
         if self.kind == "static":
             return caps
         # What each sequence's proposals are worth changes only when somebody's outcome

@@ -51,7 +51,7 @@ def test_bench_quick_json_has_every_field(tmp_path):
     # Rotated: the second repeat serves other prompts, and every prompt's greedy output
     # still has to agree across the configurations that served it.
     p = run_cli(["bench", "--quick", "--colocate", "--max-tokens", "12", "--repeats", "2", "--batch-sizes", "4",
-                 "--rotate-prompts", "--out", str(out)], timeout=600)
+                 "--rotate-prompts", "--static-k", "2", "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in ("k", "alpha", "c", "analytic_bound", "efficiency", "greedy_outputs_equal", "runs"):
@@ -82,8 +82,12 @@ def test_bench_quick_json_has_every_field(tmp_path):
         else:
             assert r["step_ms"] is None
     assert "per step, ms" in p.stdout
-    assert {(q["batch_size"], q["against"]) for q in result["paired"]} == {
-        (b, against) for b in (1, 4) for against in ("none", "best other")}
+    # At batch 1 a fixed k = 2 ran too (--static-k), and is compared like the bench's k.
+    assert result["static_ks"] == [2]
+    assert [(r["batch_size"], r["k"]) for r in result["runs"] if r["k"] is not None] == [(1, 2)]
+    assert {(q["batch_size"], q["k"], q["against"]) for q in result["paired"]} == {
+        (4, None, "none"), (4, None, "best other"), (1, None, "none"), (1, None, "best other"),
+        (1, None, "draft/static/k2"), (1, 2, "none"), (1, 2, "best other"), (1, 2, "draft/static")}
     assert "within each repeat" in p.stdout and "the next ones every repeat" in p.stdout
 
 
@@ -101,9 +105,12 @@ def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatc
 
     monkeypatch.setattr(runtime, "SpecRuntime", FakeRuntime)
     s = BenchSettings(target="t", draft="d", batch_sizes=(1, 8), device="cpu")
-    started = _start_runtimes(s, [("draft", "static"), ("draft", "adaptive"), ("none", "static")], 300)
-    assert set(started) == {("draft", "static"), ("draft", "adaptive"), ("none", "static")}
-    assert [(c.max_model_len, c.max_num_seqs) for c in configs] == [(300, 8)] * 3
+    wanted = [("draft", "static", None), ("draft", "adaptive", None), ("none", "static", None), ("draft", "static", 6)]
+    started = _start_runtimes(s, wanted, 300)
+    assert set(started) == set(wanted)
+    assert [(c.max_model_len, c.max_num_seqs) for c in configs] == [(300, 8)] * 4
+    # The bench's k, or a swept one; an adaptive run's request alone reaches twice k.
+    assert [(c.num_speculative_tokens, c.widest_k) for c in configs] == [(4, 4), (4, 8), (4, 0), (6, 6)]
 
 
 def test_each_repeat_rotates_the_configurations_of_each_batch_size():
@@ -235,7 +242,8 @@ def test_bench_runtimes_share_one_gpu(monkeypatch):
 
     from workers import model_loader
 
-    configs = [("draft", "static"), ("draft", "adaptive"), ("ngram", "static"), ("none", "static")]
+    configs = [("draft", "static", None), ("draft", "adaptive", None), ("ngram", "static", None),
+               ("none", "static", None)]
     assert gpu_shares(BenchSettings(target="t", draft="d", device="cpu"), configs) == {}
     monkeypatch.setattr(model_loader, "resolve_device", lambda device: torch.device("cuda"))
     actors = gpu_shares(BenchSettings(target="t", draft="d", device="cuda"), configs)

@@ -47,6 +47,20 @@ def test_a_replayed_static_run_proposes_and_accepts_what_specray_did(table, k):
     assert 0 < sum(run.accepted) < sum(run.proposed)          # the draft is neither always right nor useless
 
 
+def test_policies_keep_within_their_own_k_on_a_wider_table(table):
+    """The table's k is the widest step, as a runtime's: static k = 2 on it replays as on
+    a table clipped to 2, and adaptive with k_max = 2 reaches past 2 alone, where its
+    draft stops early (alone_k_max; test_speculation_policy.py checks that a batch does not)."""
+    clipped = pr.AcceptanceTable(2, table.prompt_lens, [[min(2, x) for x in row] for row in table.matches],
+                                 [[c[:2] for c in row] for row in table.confidence])
+    wide = pr.replay_batch(SpeculationPolicy("static", 2), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    narrow = pr.replay_batch(SpeculationPolicy("static", 2), clipped, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    assert (wide.proposed, wide.accepted, wide.steps) == (narrow.proposed, narrow.accepted, narrow.steps)
+    alone = [pr.replay_batch(pr.policy_factory({"k_max": 2, "alone_k_max": 4})(), table, 1, TOKENS,
+                             pr.StepSurface(), random.Random(0), first=i) for i in range(3)]
+    assert any(run.proposed[0] > 2 * run.steps for run in alone)
+
+
 def test_plain_decoding_replays_one_token_per_step_and_is_deterministic_per_seed(table):
     plain = pr.replay_batch(None, table, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert plain.steps == TOKENS and plain.proposed == [0, 0, 0]
