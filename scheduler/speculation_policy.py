@@ -234,16 +234,24 @@ class SpeculationPolicy:
         sequences, and on against off is judged at that batch size as the switch has
         measured it. Requests arriving together are not valued as if each were alone: at
         batch 1 speculation nearly always pays, and every newcomer's draft would prefill
-        in a batch where it does not. No switch or exploration state is touched."""
+        in a batch where it does not. No switch or exploration state is touched.
+
+        One arriving alone is treated as ``choose`` treats a sequence alone: it gets its
+        cap (up to ``alone_k_max``) and its draft a floor (``stopping``), so its first
+        step, which prefills the draft too, stops where proposing stops paying."""
         n = max(1, num_seqs)
-        # A newcomer's first step has no floors (nothing chose them), so no reach past k_max.
-        cap = min(cap, self.k_max)
+        alone = self.stop_early and n == 1
+        cap = min(cap, self.widest_k if alone else self.k_max)
         rates = self._rates([AcceptanceEstimate()]) * n
-        per_level = LevelChoices(self.depth.gains(rates, [cap] * n), self.cost.price(n, n))
+        price = self.cost.price(n, n)
+        per_level = LevelChoices(self.depth.gains(rates, [cap] * n), price)
         best = self._best_level(n, per_level)
         figure = per_level.rates
         if not best or self.switch.goodput(n, True, figure[best]) < self.switch.goodput(n, False, figure[0]):
             return 0
+        if alone:
+            self._break_even = figure[best] * (price.per_token + price.per_pass)
+            return cap
         return max(per_level.ks(best))
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,

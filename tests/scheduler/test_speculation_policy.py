@@ -318,7 +318,9 @@ def test_a_sequence_alone_may_reach_past_k_max_and_a_batch_may_not():
     assert p.choose([8, 8], [est(50, 1), est(50, 1)], fed_tokens=2) == [4, 4]
     assert not p.stopping
     assert p.choose([6, 3], [est(50, 1), est(50, 1)], fed_tokens=2) == [4, 3]
-    assert p.fresh_k(8) == 4
+    # A newcomer alone too, its draft stopping early from its first step; not in a batch.
+    assert p.fresh_k(8) == 8 and p.stopping and 0 < p.min_reach(AcceptanceEstimate()) < 1
+    assert p.fresh_k(8, num_seqs=2) == 4
     # Without stops nothing is different alone: no draft would cut the tail.
     calm = SpeculationPolicy("adaptive", 4, cost=cheap(), alone_k_max=8, stop_early=False)
     assert calm.widest_k == 4 and calm.choose([8], [good], fed_tokens=1) == [4]
