@@ -33,10 +33,13 @@ lower at batch 32.
 
 Stops are also why a sequence alone may reach further than a batch: a fixed k must
 stop where the average text stops paying, a stopping draft only where this text does.
-In process on the built-in pair at batch 1 (30 prompts, ratios to static k = 4 within
-repeats), static k = 6 / 8 / 10 ran 1.10 / 1.10 / 0.98 and adaptive with stops up to
-4 / 6 / 8 / 10 ran 1.04 / 1.11 / 1.18 / 1.13: with its cap at k = 4 adaptive could
-only trim the best fixed k's proposals, not follow the easy stretches past it.
+In process on the built-in pair at batch 1 (ratios to static k = 4 within repeats,
+geometric means): with k_max = 4 / 6 / 8 / 10 for every batch size, adaptive ran 1.04 /
+1.11 / 1.18 / 1.13 where static k = 6 / 8 / 10 ran 1.10 / 1.10 / 0.98 (30 prompts); with
+k_max = 4 and alone_k_max = 4 / 8 / 12 / 16, 0.99 / 1.07 / 1.05 / 1.05 where static
+k = 6 ran 0.99 (48 prompts, on one runtime). Capped at k = 4, adaptive could only trim
+the fixed k's proposals, not follow the easy stretches past it. In a batch a deeper
+level is the rate-based choice's to make, and k_max keeps it where it was measured.
 
 A sequence whose draft keeps failing drops to 0 and is probed with one token after
 ``probe_interval`` quiet steps, so it can come back (one that never proposed is not: the
