@@ -391,7 +391,8 @@ def main() -> None:
     ap.add_argument("--draft", default=str(MODELS / "tiny-draft"))
     ap.add_argument("-k", type=int, default=None,
                     help="recording: the draft's proposals per position (default 4); replaying: static k and "
-                         "adaptive's k, a request alone reaching up to twice it within the table's (default: the table's)")
+                         "adaptive's k, a request alone reaching up to twice it within the table's "
+                         "(default: the table's)")
     ap.add_argument("--prompts", type=int, default=32, help="bench prompts to record (the largest batch)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,8,32")

@@ -9,7 +9,7 @@ import time
 GAUGES = {
     "acceptance_rate": "accepted / proposed draft tokens over the runtime's life",
     "mean_accepted_length": "tokens emitted per sequence-step",
-    "system_efficiency": "emitted / (sequence-steps * (k + 1))",
+    "system_efficiency": "emitted / (sequence-steps * (widest k + 1)): of the most a step could emit",
     "mean_k": "mean proposal length k_i of the last step",
     "tokens_per_s": "emitted tokens per second of step time",
     "num_running": "sequences running",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecStats:
-    k: int
+    k: int                           # the widest step's (a request alone may reach past num_speculative_tokens)
     num_steps: int = 0
     num_seq_steps: int = 0           # one per sequence per step
     num_emitted_tokens: int = 0      # accepted + the target's own token, per sequence-step

@@ -78,7 +78,8 @@ def test_max_speculative_tokens_is_checked(llama_pair):
     with pytest.raises(ValueError, match="max_speculative_tokens applies to speculation_policy='adaptive'"):
         RuntimeConfig(target=t, draft=d, max_speculative_tokens=8)
     with pytest.raises(ValueError, match="max_speculative_tokens applies"):
-        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", draft_early_stop=False, max_speculative_tokens=8)
+        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", draft_early_stop=False,
+                      max_speculative_tokens=8)
     with pytest.raises(ValueError, match="max_speculative_tokens 3 must be >= num_speculative_tokens 4"):
         RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=3)
     with pytest.raises(ValueError, match="max_speculative_tokens must be an int >= 1"):
