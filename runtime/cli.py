@@ -31,7 +31,9 @@ def cmd_generate(args) -> int:
     print()
     print(f"\n[specray] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tokens/s, includes the first step's "
           f"prefill); finish_reason={pieces[-1].finish_reason if pieces else None}")
-    print(f"[specray] proposer={m['proposer']} k={m['num_speculative_tokens']} "
+    alone = m["max_speculative_tokens"]
+    reach = f" (alone up to {alone})" if alone > m["num_speculative_tokens"] else ""
+    print(f"[specray] proposer={m['proposer']} k={m['num_speculative_tokens']}{reach} "
           f"acceptance_rate={m['acceptance_rate']:.3f} mean_accepted_length={m['mean_accepted_length']:.2f} "
           f"system_efficiency={m['system_efficiency']:.3f} decode tokens/s={m['tokens_per_s']:.1f}")
     return 0
