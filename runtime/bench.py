@@ -224,19 +224,12 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | N
     half of what the one before left, the last ones too little for the batch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from runtime import RuntimeConfig, SpecRuntime
+    from runtime import SpecRuntime
 
     shares = gpu_shares(s, spec_configs)
 
     def start(proposer: str, policy: str, k: int | None) -> SpecRuntime:
-        stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive"
-        return SpecRuntime(RuntimeConfig(
-            target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
-            num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, block_size=s.block_size,
-            max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
-            draft_early_stop=stops, max_speculative_tokens=s.max_speculative_tokens if stops else None,
-            colocate=s.colocate,
-            compiled_graph=s.compiled_graph, **shares))
+        return SpecRuntime(runtime_config(s, proposer, policy, k, max_model_len, **shares))
 
     first, rest = spec_configs[0], spec_configs[1:]
     runtimes = {first: start(*first)}
@@ -249,6 +242,20 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | N
             rt.shutdown()
         raise failures[0]
     return runtimes
+
+
+def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, max_model_len: int | None = None,
+                   **resources):
+    """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
+    from runtime.config import RuntimeConfig
+
+    stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive"
+    return RuntimeConfig(
+        target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
+        num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, block_size=s.block_size,
+        max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+        draft_early_stop=stops, max_speculative_tokens=s.max_speculative_tokens if stops else None,
+        colocate=s.colocate, compiled_graph=s.compiled_graph, **resources)
 
 
 def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> list[int]:
@@ -282,7 +289,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     spec_configs = [("draft", pol, None) for pol in s.policies] + [("ngram", "static", None), ("none", "static", None)]
     sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k]
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
-    lookahead = max(s.k, *s.static_ks, s.max_speculative_tokens or 2 * s.k)
+    lookahead = max(runtime_config(s, *c).widest_k for c in spec_configs + sweep)
     runtimes = _start_runtimes(s, spec_configs + sweep, max(map(len, prompts)) + s.max_tokens + lookahead + 1)
     # One configuration = (system, proposer, batch size, mode, policy, k).
     plan: list[tuple[str, str, int, str, str, int | None]] = []
@@ -364,8 +371,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
         "rotate_prompts": s.rotate_prompts, "static_ks": sorted(set(s.static_ks) - {s.k}),
-        "max_speculative_tokens": (s.max_speculative_tokens or 2 * s.k) if "adaptive" in s.policies
-        and s.draft_early_stop else None,
+        # The adaptive runs' reach alone (None: no adaptive runs, or no early stops).
+        "max_speculative_tokens": runtime_config(s, "draft", "adaptive", None).alone_k if "adaptive" in s.policies
+        else None,
         "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "runs": [_public(r) for r in runs.values()],

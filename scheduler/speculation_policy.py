@@ -201,8 +201,14 @@ class SpeculationPolicy:
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level, price)
                           if self.cost.fitted(n, any(chosen)) else None)
         if alone:
-            self._break_even = per_level.rates[level] * (price.per_token + price.per_pass)
+            self._break_even = self._break_even_at(per_level.rates[level], price)
         return chosen
+
+    @staticmethod
+    def _break_even_at(goodput: float, price: StepPrice) -> float:
+        """What one more proposal must gain alone: the step's goodput times a pass and a
+        verified token (see min_reach)."""
+        return goodput * (price.per_token + price.per_pass)
 
     @property
     def widest_k(self) -> int:
@@ -253,7 +259,7 @@ class SpeculationPolicy:
         if not best or self.switch.goodput(n, True, figure[best]) < self.switch.goodput(n, False, figure[0]):
             return 0
         if alone:
-            self._break_even = figure[best] * (price.per_token + price.per_pass)
+            self._break_even = self._break_even_at(figure[best], price)
             return cap
         return max(per_level.ks(best))
 
