@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     import ray
 
-    from runtime import RuntimeConfig, SamplingParams, SpecRuntime
-    from runtime.bench import BenchSettings, HFRunner, format_table, run_bench
-    from runtime.cli_args import builtin_model
-    from runtime.stdlib_corpus import held_out_prompts
-    from workers.model_loader import load_tokenizer
+    from specray import RuntimeConfig, SamplingParams, SpecRuntime
+    from specray.bench import BenchSettings, HFRunner, format_table, run_bench
+    from specray.cli_args import builtin_model
+    from specray.stdlib_corpus import held_out_prompts
+    from specray.workers.model_loader import load_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["auto", "cpu", "cuda"])

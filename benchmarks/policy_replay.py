@@ -61,9 +61,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.acceptance import AcceptanceEstimate  # noqa: E402
-from scheduler.draft_confidence import decile  # noqa: E402
-from scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+from specray.scheduler.acceptance import AcceptanceEstimate  # noqa: E402
+from specray.scheduler.draft_confidence import decile  # noqa: E402
+from specray.scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 MS = 1e-3
@@ -92,9 +92,9 @@ class AcceptanceTable:
 
 def static_greedy_run(target: str, draft: str, prompts: list, max_tokens: int, k: int) -> list:
     """specray's own greedy outputs (RequestOutput) with static k, in process on CPU."""
-    from runtime.config import RuntimeConfig
-    from runtime.driver import DriverCore
-    from scheduler.sampling_params import SamplingParams
+    from specray.config import RuntimeConfig
+    from specray.driver import DriverCore
+    from specray.scheduler.sampling_params import SamplingParams
 
     drv = DriverCore(RuntimeConfig(target=target, draft=draft, num_speculative_tokens=k, device="cpu",
                                    dtype="float32", speculation_policy="static", max_num_seqs=len(prompts)),
@@ -412,7 +412,7 @@ def main() -> None:
     if bool(args.record) == bool(args.table):
         ap.error("give exactly one of --record and --table")
     if args.record:
-        from runtime.stdlib_corpus import held_out_prompts
+        from specray.stdlib_corpus import held_out_prompts
         table = record(args.target, args.draft, held_out_prompts(args.prompts), args.tokens, args.k or 4)
         Path(args.record).write_text(table.to_json())
         mean = statistics.mean(x for row in table.matches for x in row)

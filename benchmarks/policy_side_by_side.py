@@ -62,12 +62,12 @@ def main() -> None:
 
     import torch
 
-    from runtime.bench import batch_prompts, random_copy, rotated, within_repeats
-    from runtime.config import RuntimeConfig
-    from runtime.driver import DriverCore
-    from runtime.stdlib_corpus import held_out_prompts
-    from scheduler.sampling_params import SamplingParams
-    from scheduler.speculation_policy import SpeculationPolicy
+    from specray.bench import batch_prompts, random_copy, rotated, within_repeats
+    from specray.config import RuntimeConfig
+    from specray.driver import DriverCore
+    from specray.stdlib_corpus import held_out_prompts
+    from specray.scheduler.sampling_params import SamplingParams
+    from specray.scheduler.speculation_policy import SpeculationPolicy
 
     torch.set_num_threads(1)      # as in Ray actors and specray bench
     draft = random_copy(args.draft, tempfile.mkdtemp(prefix="random-draft-")) if args.random_draft else args.draft

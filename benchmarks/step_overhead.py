@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> dict:
-    from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+    from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
     rt = SpecRuntime(RuntimeConfig(**cfg_kwargs))
     try:
@@ -47,8 +47,8 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from runtime.cli_args import builtin_model
-    from runtime.stdlib_corpus import held_out_prompts
+    from specray.cli_args import builtin_model
+    from specray.stdlib_corpus import held_out_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=builtin_model("tiny-target"))

@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from runtime.cli_args import add_model_args, runtime_config
-from scheduler.sampling_params import SamplingParams
+from specray.cli_args import add_model_args, runtime_config
+from specray.scheduler.sampling_params import SamplingParams
 
 PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 LINE_FIELDS = ("prompt", "id") + PARAM_FIELDS
@@ -132,7 +132,7 @@ def check_against(info: dict, item: Item) -> str | None:
 def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
     """Generate for ``items``. The runtime admits a call whole or not at all and names its
     first bad request: drop that line, report it, and resubmit the rest."""
-    from runtime.driver import Overloaded
+    from specray.driver import Overloaded
 
     pending = list(items)
     backoff = 0.05
@@ -278,7 +278,7 @@ def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str]
 def run(args) -> int:
     from tqdm import tqdm
 
-    from runtime import SpecRuntime
+    from specray import SpecRuntime
 
     if args.chunk_size < 1 or args.chunks_in_flight < 1:
         raise ValueError("--chunk-size and --chunks-in-flight must be >= 1")
@@ -354,7 +354,7 @@ def _json_type(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m runtime.batch ...``: the same as ``specray batch ...``."""
+    """``python -m specray.batch ...``: the same as ``specray batch ...``."""
     parser = argparse.ArgumentParser(prog="specray batch", description="Generate for every line of a JSONL file")
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -134,7 +134,7 @@ class HFRunner:
     def __init__(self, s: BenchSettings):
         from transformers import AutoModelForCausalLM
 
-        from workers.model_loader import resolve_device, resolve_dtype, load_config
+        from specray.workers.model_loader import resolve_device, resolve_dtype, load_config
 
         self.device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, self.device, load_config(s.target))
@@ -204,7 +204,7 @@ def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]]
     by default: on a one-GPU machine the second runtime would wait for ever. Each actor
     that holds a GPU (a co-located driver, else each draft and target worker) asks for an
     equal part of one instead."""
-    from workers.model_loader import resolve_device
+    from specray.workers.model_loader import resolve_device
 
     if resolve_device(s.device).type != "cuda":
         return {}
@@ -224,7 +224,7 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | N
     half of what the one before left, the last ones too little for the batch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from runtime import SpecRuntime
+    from specray import SpecRuntime
 
     shares = gpu_shares(s, spec_configs)
 
@@ -247,7 +247,7 @@ def _start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | N
 def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, max_model_len: int | None = None,
                    **resources):
     """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
-    from runtime.config import RuntimeConfig
+    from specray.config import RuntimeConfig
 
     stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive"
     return RuntimeConfig(
@@ -275,9 +275,9 @@ def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> 
 def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     from tqdm import tqdm
 
-    from runtime import SamplingParams
-    from runtime.stdlib_corpus import held_out_prompts
-    from workers.model_loader import load_tokenizer
+    from specray import SamplingParams
+    from specray.stdlib_corpus import held_out_prompts
+    from specray.workers.model_loader import load_tokenizer
 
     # Ray runs actors single-threaded (OMP_NUM_THREADS=1); Hugging Face here gets the same.
     torch.set_num_threads(1)

@@ -7,11 +7,11 @@ import sys
 import tempfile
 import time
 
-from runtime import batch, serve
-from runtime.cli_args import add_model_args, builtin_model, runtime_config
+from specray import batch, serve
+from specray.cli_args import add_model_args, builtin_model, runtime_config
 
 def cmd_generate(args) -> int:
-    from runtime import SamplingParams, SpecRuntime
+    from specray import SamplingParams, SpecRuntime
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
@@ -40,7 +40,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from runtime.bench import BenchSettings, format_table, random_copy, run_bench, write_outputs
+    from specray.bench import BenchSettings, format_table, random_copy, run_bench, write_outputs
 
     target = args.target or builtin_model("tiny-target")
     draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)

@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def runtime_config(args, **extra):
     """A RuntimeConfig from ``add_model_args`` flags; the built-in pair fills in models."""
-    from runtime.config import RuntimeConfig
+    from specray.config import RuntimeConfig
 
     target = args.target or builtin_model("tiny-target")
     if target is None:

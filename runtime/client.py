@@ -7,11 +7,11 @@ from typing import Iterator, Sequence as Seq
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore, Overloaded, SubmitReply
-from runtime import ray_env
-from runtime.request_output import RequestOutput
-from scheduler.sampling_params import SamplingParams
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore, Overloaded, SubmitReply
+from specray import ray_env
+from specray.request_output import RequestOutput
+from specray.scheduler.sampling_params import SamplingParams
 
 class Driver(DriverCore):
     """The driver actor. Threaded, so stream polls and submits are answered while the
@@ -50,7 +50,7 @@ class SpecRuntime:
         backend = "ray"
         if config.colocate:
             # One process hosts driver, draft and target: it asks for the target's resources.
-            from runtime.worker_actors import actor_options
+            from specray.worker_actors import actor_options
 
             gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
             opts = actor_options(config.target_resources, gpu)   # wherever those are

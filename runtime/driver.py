@@ -15,14 +15,14 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from runtime.config import RuntimeConfig
-from runtime.engine import Engine
-from runtime.request_output import RequestOutput
-from scheduler.block_manager import BlockManager
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence
-from runtime.worker_pool import start_workers
+from specray.config import RuntimeConfig
+from specray.engine import Engine
+from specray.request_output import RequestOutput
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.scheduler.sequence import Sequence
+from specray.worker_pool import start_workers
 
 
 class Overloaded(RuntimeError):
@@ -100,7 +100,7 @@ class DriverCore:
         self._last_error: str | None = None
         self._exporter = None
         if export_metrics if export_metrics is not None else backend == "ray":
-            from runtime.metrics_export import RayMetrics
+            from specray.metrics_export import RayMetrics
 
             self._exporter = RayMetrics(config.name or "anonymous")
         self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
@@ -111,7 +111,7 @@ class DriverCore:
         tokenizer; checks the pair agrees. Returns the draft's window (None without one)."""
         # Imported here, not at module level: the client process defines the driver actor
         # from this class and should not pay for torch and transformers (seconds per CLI call).
-        from workers import model_loader
+        from specray.workers import model_loader
 
         tcfg = model_loader.load_config(config.target)
         self.vocab_size = tcfg.vocab_size

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Protocol
 
-from scheduler.merge import merge_proposals
-from scheduler.messages import Proposals, StepPlan, StepResult
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
+from specray.scheduler.merge import merge_proposals
+from specray.scheduler.messages import Proposals, StepPlan, StepResult
+from specray.scheduler.scheduler import Scheduler
+from specray.scheduler.sequence import Sequence
 
 
 class WorkerLost(Exception):

@@ -9,7 +9,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from runtime.cli_args import add_model_args
+    from specray.cli_args import add_model_args
 
     p = sub.add_parser("serve", help="start (or --stop) a detached specray driver on a Ray cluster")
     add_model_args(p)
@@ -45,9 +45,9 @@ def summary_line(m: dict) -> str:
 def run(args) -> int:
     import ray
 
-    from runtime import ray_env
-    from runtime.cli_args import runtime_config
-    from runtime.client import SpecRuntime
+    from specray import ray_env
+    from specray.cli_args import runtime_config
+    from specray.client import SpecRuntime
 
     # A server outlives this process: it joins a running cluster, never a private one.
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"

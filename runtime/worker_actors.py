@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ray
 
-from scheduler.messages import StepPlan, decode, encode
-from workers.worker_config import WorkerConfig
+from specray.scheduler.messages import StepPlan, decode, encode
+from specray.workers.worker_config import WorkerConfig
 
 
 class _WorkerActor:
@@ -30,7 +30,7 @@ class DraftWorker(_WorkerActor):
         # Imported in the actor, not here: the driver process names these classes to start
         # the actors, and importing the workers (torch, transformers: seconds) there would
         # only delay the moment they start loading.
-        from workers.draft_worker import DraftWorker as Worker
+        from specray.workers.draft_worker import DraftWorker as Worker
 
         self.worker = Worker(cfg)
 
@@ -47,7 +47,7 @@ class DraftWorker(_WorkerActor):
 
 class TargetWorker(_WorkerActor):
     def __init__(self, cfg: WorkerConfig) -> None:
-        from workers.target_worker import TargetWorker as Worker
+        from specray.workers.target_worker import TargetWorker as Worker
 
         self.worker = Worker(cfg)
 

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.compiled_channel import CompiledChannel
-from runtime.config import RuntimeConfig
-from runtime.engine import LocalCall, WorkerCall, WorkerLost
-from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
-from workers.worker_config import StaleCacheError, WorkerConfig
-from workers.ngram_proposer import NgramProposer
+from specray.compiled_channel import CompiledChannel
+from specray.config import RuntimeConfig
+from specray.engine import LocalCall, WorkerCall, WorkerLost
+from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
+from specray.workers.worker_config import StaleCacheError, WorkerConfig
+from specray.workers.ngram_proposer import NgramProposer
 
 
 @dataclass
@@ -220,8 +220,8 @@ def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
 
 
 def _start_local(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> WorkerPool:
-    from workers.draft_worker import DraftWorker
-    from workers.target_worker import TargetWorker
+    from specray.workers.draft_worker import DraftWorker
+    from specray.workers.target_worker import TargetWorker
 
     # In this process a model's load cannot be stopped halfway: look between workers.
     targets = []
@@ -247,7 +247,7 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> Worke
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from runtime.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
+    from specray.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
 
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     kinds = [("target", RemoteTargetWorker, WorkerConfig(cfg.target, **wcfg),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.messages import REACH_BINS
+from specray.scheduler.messages import REACH_BINS
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.messages import Proposals
+from specray.scheduler.messages import Proposals
 
 
 @dataclass

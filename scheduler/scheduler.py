@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
-from scheduler.merge import MergedProposals
-from scheduler.messages import StepPlan, StepResult
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation_policy import SpeculationPolicy
-from scheduler.stats import SpecStats
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.merge import MergedProposals
+from specray.scheduler.messages import StepPlan, StepResult
+from specray.scheduler.sequence import Sequence, SequenceStatus
+from specray.scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.stats import SpecStats
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler.sampling_params import SamplingParams
-from scheduler.acceptance import AcceptanceEstimate
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.acceptance import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):

@@ -76,12 +76,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
-from scheduler.draft_confidence import ConfidenceCalibration
-from scheduler.goodput_switch import GoodputSwitch
-from scheduler.level_choice import LevelChoices
-from scheduler.level_correction import LevelCorrection
-from scheduler.step_cost import StepCostModel, StepPrice, batch_bucket
+from specray.scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
+from specray.scheduler.draft_confidence import ConfidenceCalibration
+from specray.scheduler.goodput_switch import GoodputSwitch
+from specray.scheduler.level_choice import LevelChoices
+from specray.scheduler.level_correction import LevelCorrection
+from specray.scheduler.step_cost import StepCostModel, StepPrice, batch_bucket
 
 POLICIES = ("static", "adaptive")
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # The split lives with the benchmark's prompt source, which must agree with it.
-from runtime.stdlib_corpus import (  # noqa: E402, F401 (re-exported for callers and tests)
+from specray.stdlib_corpus import (  # noqa: E402, F401 (re-exported for callers and tests)
     EVAL_EVERY, SKIP_DIRS, SKIP_FILE_PREFIXES, default_stdlib_dir, list_source_files, split_files)
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import os
 import random
 from pathlib import Path
 
-from scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.speculation_policy import SpeculationPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ def stop_ray_head(proc, tmp: str) -> list[int]:
 def run_local(cfg, prompts, params):
     """Serve one batch on an in-process driver (the whole path but Ray); checks the pools
     are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
-    from runtime.driver import DriverCore
+    from specray.driver import DriverCore
 
     drv = DriverCore(cfg, backend="local")
     try:

@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from scheduler.draft_confidence import decile
-from scheduler.messages import Proposals, StepPlan
-from workers.model_runner import ModelWorker
-from workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
+from specray.scheduler.draft_confidence import decile
+from specray.scheduler.messages import Proposals, StepPlan
+from specray.workers.model_runner import ModelWorker
+from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 
 class DraftWorker(ModelWorker):

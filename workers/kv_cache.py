@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.block_manager import BlockManager
-from scheduler.messages import StepPlan
-from workers.worker_config import PlanError, StaleCacheError
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.messages import StepPlan
+from specray.workers.worker_config import PlanError, StaleCacheError
 
 
 def kv_shape(config) -> tuple[int, int, int]:

@@ -7,11 +7,11 @@ import itertools
 
 import torch
 
-from scheduler.messages import StepPlan
-from workers import model_loader
-from workers.kv_cache import KVCache, default_num_blocks
-from workers.paged_attention import build_metadata
-from workers.worker_config import PlanError, WorkerConfig
+from specray.scheduler.messages import StepPlan
+from specray.workers import model_loader
+from specray.workers.kv_cache import KVCache, default_num_blocks
+from specray.workers.paged_attention import build_metadata
+from specray.workers.worker_config import PlanError, WorkerConfig
 
 
 class ModelRunner:

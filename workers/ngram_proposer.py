@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from scheduler.messages import Proposals, StepPlan
+from specray.scheduler.messages import Proposals, StepPlan
 
 
 class NgramProposer:

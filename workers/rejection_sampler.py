@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import sample_from_probs
+from specray.workers.sampling import sample_from_probs
 
 
 def greedy_verify(target_argmax: torch.Tensor, draft_ids: torch.Tensor, proposal_lens: torch.Tensor):

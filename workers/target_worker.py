@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.messages import StepPlan, StepResult
-from workers.worker_config import PlanError
-from workers.model_runner import ModelWorker
-from workers.rejection_sampler import greedy_verify, random_verify
-from workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
+from specray.scheduler.messages import StepPlan, StepResult
+from specray.workers.worker_config import PlanError
+from specray.workers.model_runner import ModelWorker
+from specray.workers.rejection_sampler import greedy_verify, random_verify
+from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
 
 
 class TargetWorker(ModelWorker):

@@ -8,10 +8,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specray_testing import hf_greedy
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
-from scheduler.sampling_params import SamplingParams
-from scheduler.step_cost import StepCostModel
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.step_cost import StepCostModel
 
 K = 4
 

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from specray_testing import ROOT, hf_greedy
-from runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
+from specray.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
                            run)
-from runtime.batch import main as batch_main
-from runtime.request_output import RequestOutput
-from scheduler.sampling_params import SamplingParams
+from specray.batch import main as batch_main
+from specray.request_output import RequestOutput
+from specray.scheduler.sampling_params import SamplingParams
 
 MODEL_FLAGS = ["-k", "3", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
                "--no-progress"]
@@ -95,7 +95,7 @@ def test_batch_skips_or_fails_on_malformed_lines(llama_pair, tmp_path, ray_sessi
     flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--max-tokens", "8"]
     skip_out, fail_out = tmp_path / "out.jsonl", tmp_path / "fail.jsonl"
     # `--on-error skip` as users run it: a subprocess with its own private Ray ...
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.batch", *flags, "--output", str(skip_out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "specray.batch", *flags, "--output", str(skip_out)], cwd=ROOT,
                             env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # ... and meanwhile `--on-error fail` in this process, on the tests' shared Ray.
     assert batch_main(flags + ["--output", str(fail_out), "--on-error", "fail"]) == 2
@@ -166,7 +166,7 @@ def test_generate_chunk_drops_each_refused_line_and_resubmits_the_rest():
 
 
 def test_generate_chunk_waits_while_the_driver_is_overloaded():
-    from runtime import Overloaded
+    from specray import Overloaded
 
     class Busy(FakeRuntime):
         def generate(self, prompts, params):

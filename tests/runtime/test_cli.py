@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.bench import (PHASES, BenchSettings, OutputCheck, Run, _t975, analytic_speedup, batch_prompts,
+from specray.bench import (PHASES, BenchSettings, OutputCheck, Run, _t975, analytic_speedup, batch_prompts,
                            gpu_shares, paired_ratios, run_order, within_repeats)
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECRAY = [sys.executable, "-m", "runtime.cli"]
+SPECRAY = [sys.executable, "-m", "specray.cli"]
 
 
 def run_cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -94,8 +94,8 @@ def test_bench_quick_json_has_every_field(tmp_path):
 def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatch):
     """Each worker's KV cache is sized for max_num_seqs sequences at max_model_len: at a
     real model's window, runtimes sharing one GPU would take half of what was left each."""
-    import runtime
-    from runtime.bench import _start_runtimes
+    import specray
+    from specray.bench import _start_runtimes
 
     configs = []
 
@@ -103,7 +103,7 @@ def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatc
         def __init__(self, config):
             configs.append(config)
 
-    monkeypatch.setattr(runtime, "SpecRuntime", FakeRuntime)
+    monkeypatch.setattr(specray, "SpecRuntime", FakeRuntime)
     s = BenchSettings(target="t", draft="d", batch_sizes=(1, 8), device="cpu")
     wanted = [("draft", "static", None), ("draft", "adaptive", None), ("none", "static", None), ("draft", "static", 6)]
     started = _start_runtimes(s, wanted, 300)
@@ -240,7 +240,7 @@ def test_bench_runtimes_share_one_gpu(monkeypatch):
     an equal part of one GPU, so a one-GPU machine can host them all; on CPU nothing."""
     import torch
 
-    from workers import model_loader
+    from specray.workers import model_loader
 
     configs = [("draft", "static", None), ("draft", "adaptive", None), ("ngram", "static", None),
                ("none", "static", None)]

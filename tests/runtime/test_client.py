@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specray_testing import hf_greedy, run_local
-from runtime import RequestOutput, RuntimeConfig, SamplingParams, SpecRuntime
+from specray import RequestOutput, RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 64
 
@@ -157,7 +157,7 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
 
     from ray._private.state import actors
 
-    from runtime.worker_pool import StartCancelled, start_workers
+    from specray.worker_pool import StartCancelled, start_workers
 
     def alive() -> list[str]:
         return sorted(a["ActorClassName"] for a in actors().values()

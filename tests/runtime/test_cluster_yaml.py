@@ -110,9 +110,9 @@ def _documented_flags(text: str) -> dict[str, dict]:
 def test_documented_flags_place_each_worker_on_its_own_node_type(doc):
     """The flags the comments and docs tell users to pass give worker actors bundles that
     fit their node type (with the GPU a CUDA worker adds) and no other node type."""
-    from runtime.cli_args import add_model_args, runtime_config
-    from runtime.worker_actors import actor_options
-    from runtime.worker_pool import _bundle
+    from specray.cli_args import add_model_args, runtime_config
+    from specray.worker_actors import actor_options
+    from specray.worker_pool import _bundle
     import argparse
 
     flags = _documented_flags(doc.read_text())
@@ -226,7 +226,7 @@ CLIENT = """
 import json, sys, time
 import ray
 from ray._private.state import actors
-from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
 target, draft, address, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 t0 = time.time()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specray_testing import hf_greedy
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
-from scheduler.sampling_params import SamplingParams
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore
+from specray.scheduler.sampling_params import SamplingParams
 
 
 class BrokenExporter:

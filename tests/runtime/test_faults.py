@@ -14,7 +14,7 @@ import pytest
 import torch
 from ray._private.state import actors
 
-from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+from specray import RuntimeConfig, SamplingParams, SpecRuntime
 from specray_testing import hf_greedy
 
 

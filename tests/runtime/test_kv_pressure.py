@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specray_testing import hf_greedy, make_pair, run_local
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
-from scheduler.sampling_params import SamplingParams
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore
+from specray.scheduler.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from runtime import Overloaded, RuntimeConfig, SamplingParams, SpecRuntime
-from runtime.driver import DriverCore
+from specray import Overloaded, RuntimeConfig, SamplingParams, SpecRuntime
+from specray.driver import DriverCore
 from specray_testing import hf_greedy
 
 NUM_PROMPTS = 40

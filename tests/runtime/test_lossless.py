@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from specray_testing import FixedFloorPolicy
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
-from scheduler.sampling_params import SamplingParams
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore
+from specray.scheduler.sampling_params import SamplingParams
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5]

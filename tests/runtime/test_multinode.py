@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from specray_testing import hf_greedy
-from runtime import RuntimeConfig, SamplingParams, SpecRuntime
+from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 48
 CLUSTER_REF: dict = {}

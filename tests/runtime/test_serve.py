@@ -11,7 +11,7 @@ from specray_testing import ROOT, hf_greedy
 
 CLIENT = """
 import json, sys
-from runtime import SpecRuntime, SamplingParams
+from specray import SpecRuntime, SamplingParams
 runs = []
 for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 1):
     rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", address=sys.argv[2])
@@ -24,7 +24,7 @@ print(json.dumps(runs))
 
 
 def cli(args, env, timeout=180):
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specray.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

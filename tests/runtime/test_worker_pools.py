@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specray_testing import hf_greedy, run_local
-from runtime.config import RuntimeConfig
-from runtime.driver import DriverCore
-from scheduler.sampling_params import SamplingParams
+from specray.config import RuntimeConfig
+from specray.driver import DriverCore
+from specray.scheduler.sampling_params import SamplingParams
 
 
 
@@ -58,9 +58,9 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
 def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair, tmp_path, monkeypatch):
     """The workers start while the driver reads the configs; a refusal (here a draft with
     another vocabulary) calls the start off instead of waiting for the models to load."""
-    import runtime.driver
+    import specray.driver
     from specray_testing import make_pair
-    from runtime.worker_pool import StartCancelled
+    from specray.worker_pool import StartCancelled
 
     seen = []
 
@@ -69,7 +69,7 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair,
         seen.append(cancel.wait(timeout=120))
         raise StartCancelled("called off")
 
-    monkeypatch.setattr(runtime.driver, "start_workers", start_workers)
+    monkeypatch.setattr(specray.driver, "start_workers", start_workers)
     t, _ = llama_pair
     _, other_draft = make_pair(tmp_path, vocab=50)
     with pytest.raises(ValueError, match="draft vocab_size 50 differs"):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler.block_manager import BlockManager
+from specray.scheduler.block_manager import BlockManager
 
 
 def ceil_div(a: int, b: int) -> int:

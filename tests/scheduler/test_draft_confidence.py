@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from scheduler.draft_confidence import ConfidenceCalibration, decile
-from scheduler.messages import REACH_BINS
+from specray.scheduler.draft_confidence import ConfidenceCalibration, decile
+from specray.scheduler.messages import REACH_BINS
 
 
 def test_an_unmeasured_decile_reads_as_a_calibrated_draft():

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from scheduler.acceptance import AcceptanceEstimate
-from scheduler.goodput_switch import GoodputSwitch
-from scheduler.speculation_policy import SpeculationPolicy
-from scheduler.step_cost import StepCostModel
+from specray.scheduler.acceptance import AcceptanceEstimate
+from specray.scheduler.goodput_switch import GoodputSwitch
+from specray.scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.step_cost import StepCostModel
 
 
 def cheap_speculation() -> StepCostModel:

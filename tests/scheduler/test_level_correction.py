@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.acceptance import AcceptanceEstimate
-from scheduler.level_correction import LevelCorrection
-from scheduler.speculation_policy import SpeculationPolicy
-from scheduler.step_cost import StepCostModel
+from specray.scheduler.acceptance import AcceptanceEstimate
+from specray.scheduler.level_correction import LevelCorrection
+from specray.scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.step_cost import StepCostModel
 
 
 def test_levels_keep_the_models_figure_until_two_are_measured():

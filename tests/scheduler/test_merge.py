@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler.merge import MergedProposals, merge_proposals
-from scheduler.messages import Proposals
+from specray.scheduler.merge import MergedProposals, merge_proposals
+from specray.scheduler.messages import Proposals
 
 
 def shard(k: int, rows: dict[int, list[int]], has_probs: bool = True) -> Proposals:

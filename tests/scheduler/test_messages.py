@@ -9,7 +9,7 @@ from dataclasses import fields
 import msgpack
 import pytest
 
-from scheduler.messages import (
+from specray.scheduler.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Proposals,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from scheduler.sampling_params import SamplingParams
+from specray.scheduler.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid():

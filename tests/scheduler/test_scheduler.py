@@ -30,13 +30,13 @@ from typing import Callable
 
 import pytest
 
-from scheduler.acceptance import AcceptanceEstimate
-from scheduler.block_manager import BlockManager
-from scheduler.merge import merge_proposals
-from scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence, SequenceStatus
+from specray.scheduler.acceptance import AcceptanceEstimate
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.merge import merge_proposals
+from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray_testing import FixedFloorPolicy
 
 V = 97

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.acceptance import AcceptanceEstimate
-from scheduler.speculation_policy import SpeculationPolicy
-from scheduler.step_cost import StepCostModel
+from specray.scheduler.acceptance import AcceptanceEstimate
+from specray.scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.step_cost import StepCostModel
 
 
 def est(accepted: float, rejected: float) -> AcceptanceEstimate:

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import policy_replay as pr  # noqa: E402
-from runtime.stdlib_corpus import held_out_prompts  # noqa: E402
-from scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+from specray.stdlib_corpus import held_out_prompts  # noqa: E402
+from specray.scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
 from specray_testing import FixedFloorPolicy  # noqa: E402
 
 TARGET, DRAFT = str(REPO / "models" / "tiny-target"), str(REPO / "models" / "tiny-draft")
@@ -168,9 +168,9 @@ def test_the_table_holds_the_drafts_probability_of_each_token_it_proposed(table)
 
 @pytest.mark.parametrize("raw", [True, False])
 def test_replayed_early_stops_propose_and_accept_what_specray_did(table, raw):
-    from runtime.config import RuntimeConfig
-    from runtime.driver import DriverCore
-    from scheduler.sampling_params import SamplingParams
+    from specray.config import RuntimeConfig
+    from specray.driver import DriverCore
+    from specray.scheduler.sampling_params import SamplingParams
 
     floor = 0.35
     drv = DriverCore(RuntimeConfig(target=TARGET, draft=DRAFT, num_speculative_tokens=4, device="cpu",

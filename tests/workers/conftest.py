@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from scheduler.messages import StepPlan
+from specray.scheduler.messages import StepPlan
 
 VOCAB = 96
 

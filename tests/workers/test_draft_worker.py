@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.draft_worker import DraftWorker
-from workers.worker_config import WorkerConfig
-from workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
+from specray.workers.draft_worker import DraftWorker
+from specray.workers.worker_config import WorkerConfig
+from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 VOCAB = 96
 K = 3

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from workers.ngram_proposer import NgramProposer
+from specray.workers.ngram_proposer import NgramProposer
 
 
 def reference_lookup(hist, k, max_ngram, min_ngram):

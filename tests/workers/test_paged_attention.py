@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
-from workers.model_runner import ModelRunner
-from workers.worker_config import WorkerConfig
-from workers.paged_attention import build_metadata, paged_attention
+from specray.workers.model_runner import ModelRunner
+from specray.workers.worker_config import WorkerConfig
+from specray.workers.paged_attention import build_metadata, paged_attention
 
 VOCAB = 96
 BLOCK = 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from workers.rejection_sampler import greedy_verify, random_verify
-from workers.sampling import sample_from_probs
+from specray.workers.rejection_sampler import greedy_verify, random_verify
+from specray.workers.sampling import sample_from_probs
 
 # -- greedy --------------------------------------------------------------------------------
 

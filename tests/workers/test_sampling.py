@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from workers.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, keyed_uniform, logits_to_probs,
+from specray.workers.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, keyed_uniform, logits_to_probs,
                               sample_from_probs)
 
 

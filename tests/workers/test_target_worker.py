@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.worker_config import WorkerConfig
-from workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
-from workers.target_worker import TargetWorker, packed_verify_batch
+from specray.workers.worker_config import WorkerConfig
+from specray.workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
+from specray.workers.target_worker import TargetWorker, packed_verify_batch
 
 VOCAB = 96
 K = 3

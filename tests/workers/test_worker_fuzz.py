@@ -20,15 +20,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from scheduler.block_manager import BlockManager
-from scheduler.merge import merge_proposals
-from scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence
-from workers.draft_worker import DraftWorker
-from workers.worker_config import PlanError, StaleCacheError, WorkerConfig
-from workers.target_worker import TargetWorker
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.merge import merge_proposals
+from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.scheduler.sequence import Sequence
+from specray.workers.draft_worker import DraftWorker
+from specray.workers.worker_config import PlanError, StaleCacheError, WorkerConfig
+from specray.workers.target_worker import TargetWorker
 
 VOCAB = 96
 K = 3
