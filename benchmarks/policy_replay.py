@@ -15,9 +15,9 @@ deterministic, which makes most of a run replayable:
   a greedy verification can accept, so a sequence proposing ``k_i`` tokens at that
   position accepts exactly ``min(k_i, L)``, whatever policy brought it there.
 - ``--table`` replays bench-like repeats (batch sizes 1, 8, 32 in turn, each policy
-  keeping what it learned, as each bench runtime does) through the real policy objects:
-  ``choose``, ``fresh_k``, ``observe``, ``observe_step`` and the cost model's observations,
-  in the order the scheduler makes them. Step times come from ``StepSurface``, a smooth
+  keeping what it learned, as each bench runtime does) through the real scheduler, engine
+  and policy objects, over workers that answer from the table on a simulated clock
+  (``TableWorkers``). Step times come from ``StepSurface``, a smooth
   CPU-like surface near this machine's measured ones, with lognormal noise per step.
   Like the bench, every repeat serves the same prompts (batch 1: the first one);
   ``--rotate-prompts`` moves each round to the next ones, so batch 1 meets a new text
@@ -26,8 +26,8 @@ deterministic, which makes most of a run replayable:
 
 The table also holds the draft's probability of each of those greedy tokens (what a
 draft worker reports as ``Proposals.confidence``), so drafts' early stops replay as the
-worker makes them: where the policy sets floors (``SpeculationPolicy.min_reach``, at
-batch 1 by default), a proposal stops once the product of the calibrated probabilities
+worker makes them: where the policy sets floors (``StepPlan.min_reach``, at batch 1 by
+default), a proposal stops once the product of the calibrated probabilities
 (``reach_map``) falls below its floor, keeping the proposal that crossed it, and the
 policy's calibration learns from the same figures. A table recorded before it held them
 replays adaptive policies with ``stop_early`` off (the rate-based choice everywhere).
@@ -61,9 +61,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specray.scheduler.acceptance import AcceptanceEstimate  # noqa: E402
-from specray.scheduler.draft_confidence import decile  # noqa: E402
-from specray.scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+from specray.scheduler.adaptive import AdaptiveConfig, AdaptivePolicy  # noqa: E402
+from specray.scheduler.messages import Proposals, StepPlan, StepResult, decile  # noqa: E402
+from specray.scheduler.speculation_policy import SpeculationPolicy, StaticPolicy  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 MS = 1e-3
@@ -244,92 +244,122 @@ class Drift:
         return self.speed
 
 
+class TableWorkers:
+    """A draft and a target worker that answer from the table, on a simulated clock: the
+    draft proposes ``k_i`` tokens (stopping below its floor as a draft worker does, from
+    the table's probabilities), the target accepts ``min(k_i, L)`` of them, and each call
+    advances the clock by what the surface says it costs."""
+
+    def __init__(self, table: AcceptanceTable, surface: StepSurface, rng: random.Random, noise: float,
+                 drift: Drift | None, adaptive: bool) -> None:
+        self.table, self.surface, self.rng, self.noise, self.drift = table, surface, rng, noise, drift
+        self.adaptive = adaptive
+        self.now = 0.0
+        self.rows: dict[int, tuple[int, int]] = {}      # seq id -> (table row, prompt length)
+        self._slow = 1.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def _jitter(self) -> float:
+        return math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0
+
+    def overhead(self, n: int) -> None:
+        """The driver's (and an adaptive policy's) own time of a step of ``n``; the step's
+        drift is drawn here, before its worker calls."""
+        self._slow = self.drift.factor() if self.drift is not None else 1.0
+        self.now += self.surface.overhead(n, self.adaptive) * self._jitter() * self._slow
+
+    def _gen(self, plan: StepPlan, i: int) -> int:
+        row, plen = self.rows[plan.seq_ids[i]]
+        return plan.num_computed[i] + plan.num_new[i] - plen
+
+    def propose(self, plan: StepPlan) -> tuple[Proposals, None]:
+        n, k = plan.num_seqs, plan.k
+        lens = list(plan.proposal_lens)
+        conf_rows = None
+        if plan.min_reach and self.table.confidence is not None:
+            conf_rows = [self.table.confidence[self.rows[sid][0]][self._gen(plan, i)] for i, sid in enumerate(plan.seq_ids)]
+            lens = made_proposals(lens, list(plan.min_reach), list(plan.reach_map), conf_rows)
+        longest = max(lens, default=0)
+        s = self.surface
+        if n and all(c == 0 for c in plan.num_computed):     # everyone arrived together: prefill
+            t = s.draft_prefill_seq * n * self._jitter() + s.drafting(n, longest, 0)
+        else:
+            t = s.drafting(n, longest, sum(plan.num_new)) * self._jitter()
+        self.now += t * self._slow
+        tokens = [1 if j < m else -1 for m in lens for j in range(k)]
+        confidence = [c if j < m else 0.0 for m, row in zip(lens, conf_rows) for j, c in enumerate(row[:k])] \
+            if conf_rows is not None else []
+        return Proposals(step_id=plan.step_id, k=k, seq_ids=list(plan.seq_ids), proposal_lens=lens,
+                         token_ids=tokens, confidence=confidence), None
+
+    def verify(self, plan: StepPlan, probs: list) -> StepResult:
+        n = plan.num_seqs
+        ks = list(plan.proposal_lens) if plan.proposal_token_ids else [0] * n
+        proposed, longest = sum(ks), max(ks, default=0)
+        s = self.surface
+        if n and all(c == 0 for c in plan.num_computed):
+            t = (s.prefill + s.prefill_seq * n) * self._jitter() + s.target(n, proposed, longest) - s.target(n, 0, 0)
+        else:
+            t = s.target(n, proposed, longest) * self._jitter()
+        self.now += t * self._slow
+        emitted = [min(ki, self.table.matches[self.rows[sid][0]][self._gen(plan, i)]) + 1
+                   for i, (sid, ki) in enumerate(zip(plan.seq_ids, ks))]
+        return StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=emitted,
+                          token_ids=[1] * sum(emitted))
+
+
 def replay_batch(policy: SpeculationPolicy | None, table: AcceptanceTable, batch: int, max_tokens: int,
                  surface: StepSurface, rng: random.Random, noise: float = 0.05, first: int = 0,
                  drift: Drift | None = None) -> ReplayedBatch:
     """One closed batch of ``batch`` of the table's prompts from the ``first``-th on
-    (wrapping around), all admitted together; ``policy`` None is plain decoding. Caps
-    reach the table's ``k``, as a runtime's reach its widest step: each policy keeps
-    within its own."""
-    k = table.k
-    adaptive = policy is not None and policy.kind == "adaptive"
+    (wrapping around), all admitted together, through the real scheduler and engine;
+    ``policy`` None is plain decoding. The lookahead is the table's ``k``, as a runtime's
+    is its widest step: each policy keeps within its own."""
+    from specray.engine import Engine, LocalCall
+    from specray.scheduler.adaptive import AdaptivePolicy
+    from specray.scheduler.block_manager import BlockManager
+    from specray.scheduler.config import CacheConfig
+    from specray.scheduler.sampling_params import SamplingParams
+    from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+    from specray.scheduler.sequence import Sequence
+
     rows = [(first + i) % len(table.matches) for i in range(batch)]
-    seqs = [{"row": i, "L": table.matches[i], "plen": table.prompt_lens[i], "gen": 0, "lag": table.prompt_lens[i],
-             "est": AcceptanceEstimate(), "proposed": 0, "accepted": 0} for i in rows]
-    if any(len(s["L"]) < max_tokens for s in seqs):
+    if any(len(table.matches[r]) < max_tokens for r in rows):
         raise ValueError(f"the table holds fewer than max_tokens={max_tokens} positions per prompt")
+    workers = TableWorkers(table, surface, rng, noise, drift, isinstance(policy, AdaptivePolicy))
+    lookahead = table.k if policy is not None else 0
+    longest_prompt = max(table.prompt_lens[r] for r in rows)
+    config = SchedulerConfig(target_max_len=longest_prompt + max_tokens + lookahead + 2,
+                             max_speculative_tokens=lookahead,
+                             cache=CacheConfig(block_size=16, max_num_seqs=batch, max_num_batched_tokens=10**6))
+    sched = Scheduler(config, BlockManager(10**6, 16), None, num_proposers=1 if policy is not None else 0,
+                      policy=policy)
+    schedule = sched.schedule
 
-    def jitter() -> float:
-        return math.exp(rng.gauss(0.0, noise)) if noise else 1.0
-
-    total, steps = 0.0, 0
-    while True:
-        live = [s for s in seqs if s["gen"] < max_tokens]
-        if not live:
-            break
-        n = len(live)
-        caps = [min(k, max_tokens - s["gen"] - 1) for s in live]
-        prefill = steps == 0
-        if policy is None:
-            ks = [0] * n
-        elif prefill:
-            # Everyone arrives together into an empty batch: the scheduler's newcomer k,
-            # after its choice for the nobody running (which also clears the last
-            # batch's floors).
-            if adaptive:
-                policy.choose([], [], 0)
-            k0 = policy.fresh_k(k, n) if adaptive else policy.k_max
-            ks = [min(k0, c) for c in caps]
-        else:
-            ks = policy.choose(caps, [s["est"] for s in live], n)
-        confidence = None
-        if adaptive and table.confidence is not None and policy.stopping:
-            # The scheduler sets floors for proposals of two or more; drafts report their
-            # probabilities whenever a floor is set.
-            floors = [policy.min_reach(s["est"]) if ki > 1 else 0.0 for s, ki in zip(live, ks)]
-            if any(floors):
-                confidence = [table.confidence[s["row"]][s["gen"]] for s in live]
-                ks = made_proposals(ks, floors, policy.reach_map(), confidence)
-        proposed, longest = sum(ks), max(ks)
-        fed = sum(s["plen"] for s in live) if prefill else n
-        fed_draft = sum(s["lag"] for s, ki in zip(live, ks) if ki)
-        if prefill:
-            t_target = ((surface.prefill + surface.prefill_seq * n) * jitter()
-                        + surface.target(n, proposed, longest) - surface.target(n, 0, 0))
-            t_draft = (surface.draft_prefill_seq * n * jitter() + surface.drafting(n, longest, 0)) if proposed else None
-        else:
-            t_target = surface.target(n, proposed, longest) * jitter()
-            t_draft = surface.drafting(n, longest, fed_draft) * jitter() if proposed else None
-        overhead = surface.overhead(n, adaptive) * jitter()
-        if drift is not None:
-            slow = drift.factor()
-            t_target, overhead = t_target * slow, overhead * slow
-            t_draft = t_draft * slow if t_draft is not None else None
-        seconds = t_target + (t_draft or 0.0) + overhead
-        if adaptive:
-            policy.cost.observe_target(n, fed, proposed, longest, t_target)
-            if t_draft is not None:
-                policy.cost.observe_draft(n, longest, fed_draft, proposed, t_draft)
-        emitted = 0
-        for i, (s, ki) in enumerate(zip(live, ks)):
-            acc = min(ki, s["L"][s["gen"]])
-            # What the draft must be fed next time, as the scheduler tracks it: it cached
-            # all its proposals but the last; skipped steps leave it further behind.
-            s["lag"] = acc + 1 - min(acc, ki - 1) if ki else s["lag"] + 1
-            s["gen"] += acc + 1
-            s["proposed"] += ki
-            s["accepted"] += acc
-            emitted += acc + 1
-            if policy is not None:
-                policy.observe(s["est"], ki, acc, confidence[i][:ki] if confidence and ki else None)
-        if adaptive:
-            # Priced as made (``longest``), as the scheduler does: drafts may have stopped early.
-            policy.observe_step(n, fed, proposed, emitted, seconds, fed_draft - sum(1 for ki in ks if ki), longest)
-            policy.cost.observe_overhead(n, overhead)
-        total += seconds
+    def scheduled():
+        step = schedule()
+        if step is not None:
+            workers.overhead(len(step.seqs))
+        return step
+    sched.schedule = scheduled
+    engine = Engine(sched, [LocalCall(workers.verify)], [LocalCall(workers.propose)] if policy is not None else [],
+                    clock=workers.clock)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = []
+    for i, r in enumerate(rows):
+        plen = table.prompt_lens[r]
+        seq = Sequence(seq_id=i + 1, request_id=str(i + 1), prompt_len=plen, tokens=[1] * plen, params=params, seed=i)
+        workers.rows[seq.seq_id] = (r, plen)
+        sched.add(seq)
+        seqs.append(seq)
+    steps = 0
+    while sched.has_work:
+        engine.step()
         steps += 1
-    return ReplayedBatch(batch * max_tokens / total, steps, [s["proposed"] for s in seqs],
-                         [s["accepted"] for s in seqs])
+    return ReplayedBatch(batch * max_tokens / workers.now, steps, [s.num_draft_tokens for s in seqs],
+                         [s.num_accepted_tokens for s in seqs])
 
 
 def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int], max_tokens: int,
@@ -356,21 +386,22 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
 
 
 def policy_factory(kwargs: dict, stops: bool = True):
-    """A factory of adaptive policies with ``kwargs``; a dotted key sets a field of a
-    component, e.g. ``{"levels.prior_steps": 4.0, "switch.explore_every": 32}``.
-    ``stops``: whether the table replays drafts' early stops (it holds their
-    probabilities). Without them a policy that counts on stops (a sequence alone
-    proposing up to its cap) would replay as static k, so its policies choose by rates
-    alone unless a variant says otherwise."""
+    """A factory of adaptive policies with ``kwargs``: ``AdaptiveConfig`` fields, and dotted
+    keys for a field of a component, e.g. ``{"levels.prior_steps": 4.0,
+    "switch.explore_every": 32}``. ``stops``: whether the table replays drafts' early stops
+    (it holds their probabilities). Without them a policy that counts on stops (a sequence
+    alone proposing up to its cap) would replay as static k, so its policies choose by
+    rates alone unless a variant says otherwise."""
     top = {"stop_early": stops, **{key: v for key, v in kwargs.items() if "." not in key}}
+    AdaptiveConfig(**top)       # refuse a bad field before any run
     parts: dict[str, dict] = {}
     for key, v in kwargs.items():
         if "." in key:
             part, name = key.split(".", 1)
             parts.setdefault(part, {})[name] = v
 
-    def make() -> SpeculationPolicy:
-        pol = SpeculationPolicy("adaptive", **top)
+    def make() -> AdaptivePolicy:
+        pol = AdaptivePolicy(AdaptiveConfig(**top))
         for part, changes in parts.items():
             component = getattr(pol, part)
             names = {f.name for f in dataclasses.fields(component) if f.init}
@@ -407,7 +438,7 @@ def main() -> None:
     ap.add_argument("--rotate-prompts", action="store_true",
                     help="each round's batch takes the next prompts of the table (batch 1: another text each round)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                    help="an adaptive policy with these SpeculationPolicy fields (dotted: a component's)")
+                    help="an adaptive policy with these AdaptiveConfig fields (dotted: a component's)")
     args = ap.parse_args()
     if bool(args.record) == bool(args.table):
         ap.error("give exactly one of --record and --table")
@@ -424,8 +455,8 @@ def main() -> None:
     if k > table.k:
         ap.error(f"-k {k} is past the table's {table.k} proposals per position")
     # As the runtime does: alone (with stops) a request reaches twice k, here within the table.
-    caps = {"k_max": k, "alone_k_max": min(2 * k, table.k)}
-    factories = {"static": lambda: SpeculationPolicy("static", k), "none": lambda: None,
+    caps = {"k": k, "max_speculative_tokens": min(2 * k, table.k)}
+    factories = {"static": lambda: StaticPolicy(k), "none": lambda: None,
                  "adaptive": policy_factory(caps, stops)}
     for spec in args.variant:
         name, _, kw = spec.partition("=")

@@ -67,7 +67,7 @@ def main() -> None:
     from specray.driver import DriverCore
     from specray.stdlib_corpus import held_out_prompts
     from specray.scheduler.sampling_params import SamplingParams
-    from specray.scheduler.speculation_policy import SpeculationPolicy
+    from specray.scheduler.speculation_policy import StaticPolicy
 
     torch.set_num_threads(1)      # as in Ray actors and specray bench
     draft = random_copy(args.draft, tempfile.mkdtemp(prefix="random-draft-")) if args.random_draft else args.draft
@@ -76,13 +76,13 @@ def main() -> None:
                            dtype="float32", speculation_policy="adaptive", max_num_seqs=max(batch_sizes),
                            max_speculative_tokens=args.max_speculative_tokens)
     static_ks = sorted({int(x) for x in args.static_k.split(",") if x.strip()} - {args.k})
-    if static_ks and not 1 <= min(static_ks) <= max(static_ks) <= config.widest_k:
-        ap.error(f"--static-k must lie in [1, {config.widest_k}], the runtime's widest step")
+    if static_ks and not 1 <= min(static_ks) <= max(static_ks) <= config.lookahead:
+        ap.error(f"--static-k must lie in [1, {config.lookahead}], the runtime's widest step")
     drv = DriverCore(config, backend="local")
     # A fixed k below the runtime's widest step keeps to its own k (the policy caps it).
-    policies = {"static": SpeculationPolicy("static", args.k), "adaptive": drv.scheduler.policy,
-                "none": SpeculationPolicy("static", args.k, disable_by_batch_size=1),
-                **{f"static{k}": SpeculationPolicy("static", k) for k in static_ks}}
+    policies = {"static": StaticPolicy(args.k), "adaptive": drv.scheduler.policy,
+                "none": StaticPolicy(args.k, disable_by_batch_size=1),
+                **{f"static{k}": StaticPolicy(k) for k in static_ks}}
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     tokens_per_s: dict[tuple[int, str], list[float]] = {}
     phase_s: dict[tuple[int, str], Counter] = {}

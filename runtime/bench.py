@@ -17,21 +17,24 @@ from pathlib import Path
 
 import torch
 
+from specray.scheduler.config import CacheConfig, SpeculationConfig
+from specray.workers.worker_config import ModelConfig
+
 
 @dataclass
 class BenchSettings:
     target: str
     draft: str
-    k: int = 4
+    k: int = SpeculationConfig.num_speculative_tokens
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
     repeats: int = 3
     temperature: float = 0.8          # for the sampled runs
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = ModelConfig.device
+    dtype: str = ModelConfig.dtype
     out_dir: str = "bench_out"
     prompt_bytes: int = 160
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     progress: bool = True
     policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft runs
     colocate: bool = False                    # specray's workers inside the driver's process
@@ -43,6 +46,9 @@ class BenchSettings:
     max_speculative_tokens: int | None = None # the adaptive runs' cap for a request alone (None: 2 k)
     # More fixed k's for the draft at batch 1, where adaptive is held to the best of them.
     static_ks: tuple[int, ...] = ()
+    # Adaptive policies with other options (name -> policy_options), run beside the
+    # adaptive one at every batch size: each mechanism's worth, measured side by side.
+    variants: dict[str, dict] = field(default_factory=dict)
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
@@ -249,13 +255,16 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
     from specray.config import RuntimeConfig
 
-    stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive"
+    policy, _, variant = policy.partition(":")
+    options = dict(s.variants[variant]) if variant else {}
+    # A variant may switch the early stops off as an option of its own.
+    stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive" and options.pop("stop_early", True)
     return RuntimeConfig(
         target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, block_size=s.block_size,
         max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
-        draft_early_stop=stops, max_speculative_tokens=s.max_speculative_tokens if stops else None,
-        colocate=s.colocate, compiled_graph=s.compiled_graph, **resources)
+        draft_early_stop=stops, max_speculative_tokens=options.pop("max_speculative_tokens", s.max_speculative_tokens)
+        if stops else None, policy_options=options, colocate=s.colocate, compiled_graph=s.compiled_graph, **resources)
 
 
 def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> list[int]:
@@ -263,11 +272,8 @@ def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> 
 
     Without rotation every repeat serves the first ``batch_size``: batch 1 is one text, and
     a policy that learns over the repeats is then measured on how well it fits that text.
-    On the built-in pair that one prompt's misses fall where k = 4 makes the target's free
-    token: static k = 4 emits 4.0 tokens a step on it where its own miss rate predicts 3.8,
-    and k = 3 emits 3.05 where it predicts 3.24. Rotated, repeat ``rep`` serves the
-    ``batch_size`` prompts after the first ``rep * batch_size`` (wrapping around), as a
-    server meets new requests."""
+    Rotated, repeat ``rep`` serves the ``batch_size`` prompts after the first
+    ``rep * batch_size`` (wrapping around), as a server meets new requests."""
     start = rep * batch_size if rotate else 0
     return [(start + i) % num_prompts for i in range(batch_size)]
 
@@ -286,10 +292,11 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     hf = HFRunner(s)
 
-    spec_configs = [("draft", pol, None) for pol in s.policies] + [("ngram", "static", None), ("none", "static", None)]
+    spec_configs = ([("draft", pol, None) for pol in s.policies] + [("ngram", "static", None), ("none", "static", None)]
+                    + [("draft", f"adaptive:{name}", None) for name in s.variants])
     sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k]
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
-    lookahead = max(runtime_config(s, *c).widest_k for c in spec_configs + sweep)
+    lookahead = max(runtime_config(s, *c).lookahead for c in spec_configs + sweep)
     runtimes = _start_runtimes(s, spec_configs + sweep, max(map(len, prompts)) + s.max_tokens + lookahead + 1)
     # One configuration = (system, proposer, batch size, mode, policy, k).
     plan: list[tuple[str, str, int, str, str, int | None]] = []
@@ -372,7 +379,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
         "rotate_prompts": s.rotate_prompts, "static_ks": sorted(set(s.static_ks) - {s.k}),
         # The adaptive runs' reach alone (None: no adaptive runs, or no early stops).
-        "max_speculative_tokens": runtime_config(s, "draft", "adaptive", None).alone_k if "adaptive" in s.policies
+        "max_speculative_tokens": runtime_config(s, "draft", "adaptive", None).lookahead if "adaptive" in s.policies
         else None,
         "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
@@ -385,9 +392,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
 def run_order(plan: list[tuple], rep: int) -> list[tuple]:
     """The plan for repeat ``rep``: batch sizes in order, the configurations of each
     rotated by one place per repeat. A fixed order gives each configuration the same
-    place and neighbour every time, and that alone can move it: two adaptive policies
-    differing in one detail measured 0.91 of each other at batch 1 in a fixed order (10
-    repeats), 1.04 in a rotated one (12 repeats), in the same harness minutes apart."""
+    place and neighbour every time, and that alone can move a comparison by several
+    percent (docs/benchmarks.md)."""
     out: list[tuple] = []
     for b in dict.fromkeys(key[2] for key in plan):
         out += rotated([key for key in plan if key[2] == b], rep)
@@ -405,9 +411,8 @@ def within_repeats(samples: list[float], base: list[float]) -> dict | None:
     confidence interval (Student's t on the log ratios; None for a single pair); None
     without a pair.
 
-    The interval is what tells a goal met "within noise" from one missed: on the 2-core
-    CPU one repeat's ratio of two configurations scatters by 10-30 %, and a median of 7
-    can land 10 % off either way."""
+    The interval is what tells a goal met "within noise" from one missed: one repeat's
+    ratio of two configurations scatters widely on a shared machine."""
     ratios = [x / y for x, y in zip(samples, base) if x > 0 and y > 0]
     if not ratios:
         return None
@@ -447,7 +452,8 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
                   and o.proposer in ("draft", "none") and o is not run}
         if not others:
             continue
-        others["best other"] = [max(xs) for xs in zip(*others.values())]
+        # Adaptive variants are compared one by one, not as what a policy must beat.
+        others["best other"] = [max(xs) for xs in zip(*(v for name, v in others.items() if ":" not in name))]
         for name, base in others.items():
             if (ratio := within_repeats(run.samples, base)) is not None:
                 out.append({"batch_size": run.batch_size, "policy": run.policy, "k": run.k, "against": name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -54,6 +55,11 @@ def cmd_bench(args) -> int:
                       draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()))
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
+    for spec in args.adaptive_variant:
+        name, _, options = spec.partition("=")
+        if not name or ":" in name or "adaptive" not in s.policies:
+            raise ValueError(f"--adaptive-variant {spec!r}: give NAME=JSON, with --policy adaptive or both")
+        s.variants[name] = json.loads(options or "{}")
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
     label = "built-in" if args.draft is None and args.target is None else "given"
@@ -86,31 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
-    b.add_argument("--target", default=None)
-    b.add_argument("--draft", default=None)
-    b.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "colocate",
+                            "compiled_graph", "draft_early_stop", "max_speculative_tokens"))
     b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--temperature", type=float, default=0.8, help="for the sampled runs")
-    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    b.add_argument("--dtype", default="auto")
     b.add_argument("--out", default="bench_out")
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (about a minute on a CPU)")
     b.add_argument("--policy", default="static", choices=["static", "adaptive", "both"],
                    help="speculation policy of the draft runs")
-    b.add_argument("--colocate", action="store_true", help="specray's workers inside the driver's process")
-    b.add_argument("--compiled-graph", action="store_true",
-                   help="specray's driver <-> worker steps over Ray Compiled Graph channels")
     b.add_argument("--rotate-prompts", action="store_true",
                    help="each repeat serves the next held-out prompts (batch 1: a new text every repeat) "
                         "instead of the same ones")
-    b.add_argument("--no-draft-early-stop", dest="draft_early_stop", action="store_false",
-                   help="the adaptive runs' drafts propose their whole k_i at batch 1 (no early stops)")
-    b.add_argument("--max-speculative-tokens", type=int, default=None,
-                   help="the adaptive runs' cap for a request alone, its draft stopping early (default: twice -k)")
     b.add_argument("--static-k", default="",
                    help="more fixed k's for the draft at batch 1, e.g. 6,8: adaptive is held to the best of them")
+    b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
+                   help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
+                        "nostops='{\"stop_early\": false}' (with --policy adaptive or both)")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

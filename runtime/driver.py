@@ -22,6 +22,7 @@ from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.scheduler.sequence import Sequence
+from specray.policies import build_policy
 from specray.worker_pool import start_workers
 
 
@@ -64,31 +65,25 @@ class DriverCore:
         in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics API
         (default: with the ray backend)."""
         self.config = config
+        policy = build_policy(config.speculation)      # bad policy options are refused before any start
         # The workers start first and load their models while this process reads configs
         # and the tokenizer (importing transformers alone takes seconds): each worker
         # bounds its own window by the models' (WorkerConfig.window_of).
-        wcfg = dict(dtype=config.dtype, device=config.device, block_size=config.block_size,
-                    num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len,
-                    max_num_seqs=config.max_num_seqs)
         cancel = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
-            launch = ex.submit(start_workers, config, wcfg, backend, cancel)
+            launch = ex.submit(start_workers, config, backend, cancel)
             try:
                 draft_len = self._read_models(config)
             except BaseException:
                 _call_off(launch, cancel)
                 raise
             self.pool = launch.result()
-        sched_cfg = SchedulerConfig(
-            num_speculative_tokens=config.k, target_max_len=self.max_model_len, draft_max_len=draft_len,
-            use_proposer=config.proposer != "none", max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, speculation_policy=config.speculation_policy,
-            disable_by_batch_size=config.disable_by_batch_size, draft_early_stop=config.draft_early_stop,
-            max_speculative_tokens=config.alone_k)
+        sched_cfg = SchedulerConfig(target_max_len=self.max_model_len, max_speculative_tokens=config.lookahead,
+                                    draft_max_len=draft_len, cache=config.cache)
         bs = config.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
-                                   num_proposers=len(self.pool.proposers))
+                                   num_proposers=len(self.pool.proposers), policy=policy)
         self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
                              config.target_down_timeout_s)
         self._rng = random.Random(config.seed)
@@ -138,7 +133,7 @@ class DriverCore:
     # -- client API ----------------------------------------------------------------
     def info(self) -> dict:
         return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
-                "num_speculative_tokens": self.config.k, "max_speculative_tokens": self.config.widest_k,
+                "num_speculative_tokens": self.config.k, "max_speculative_tokens": self.config.lookahead,
                 "proposer": self.config.proposer,
                 "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None}
 
@@ -292,7 +287,7 @@ class DriverCore:
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a compiled graph's channel right now
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
-                 num_speculative_tokens=self.config.k, max_speculative_tokens=self.config.widest_k,
+                 num_speculative_tokens=self.config.k, max_speculative_tokens=self.config.lookahead,
                  proposer=self.config.proposer,
                  last_error=self._last_error)
         return m

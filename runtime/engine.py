@@ -1,7 +1,7 @@
 """One step of speculative decoding, independent of how workers are reached.
 
     schedule -> propose (every draft worker at once) -> merge -> verify (every target
-    worker at once) -> update
+    worker at once) -> update(StepOutcome)
 
 Workers are reached through ``WorkerCall``s: ``submit`` starts a call and returns a
 handle, ``wait`` returns its result. In-process workers simply run in ``submit``; Ray
@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Protocol
 
-from specray.scheduler.merge import merge_proposals
-from specray.scheduler.messages import Proposals, StepPlan, StepResult
+from specray.scheduler.merge import attach, merge_proposals
+from specray.scheduler.messages import Proposals, StepPlan
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
+from specray.scheduler.step import ScheduledStep, StepOutcome
 
 
 class WorkerLost(Exception):
@@ -60,11 +61,13 @@ class LocalCall:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
-                 target_down_timeout_s: float = 120.0) -> None:
+                 target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter) -> None:
         """``proposers[r].wait`` yields ``(Proposals, probs handle)``; ``verifiers[r].wait``
         yields a ``StepResult``. When every target worker has been down for
-        ``target_down_timeout_s``, ``step`` raises instead of waiting forever."""
+        ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
+        times the phases (a replay passes a simulated one)."""
         self.scheduler = scheduler
+        self.clock = clock
         self.verifiers = verifiers
         self.proposers = proposers
         self.target_down_timeout_s = target_down_timeout_s
@@ -106,57 +109,63 @@ class Engine:
         time.sleep(0.05)   # nothing can run until one is back
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Run one step; returns (sequence, tokens appended) for each scheduled sequence."""
-        t0 = time.perf_counter()
+        """Run one step; returns (sequence, tokens appended) for each verified sequence."""
+        clock = self.clock
+        t0 = clock()
         if self.degraded:
             self._check_recovered()
         step = self.scheduler.schedule()
         if step is None:
             return []
-        self.scheduler.stats.schedule_s += time.perf_counter() - t0
+        outcome = StepOutcome(step, [None] * len(step.target_plans), schedule_s=clock() - t0)
+        shards = self.propose(step, outcome)
+        self.verify(step, shards, outcome)
+        outcome.step_s = clock() - t0
+        return self.scheduler.update(outcome)
+
+    def propose(self, step: ScheduledStep, outcome: StepOutcome) -> list[tuple[Proposals, Any]]:
+        """Every draft worker at once; returns (proposals, probabilities handle) per shard."""
         shards: list[tuple[Proposals, Any]] = []
-        draft_s = None
-        if any(p is not None for p in step.draft_plans):
-            t_draft = time.perf_counter()
-            pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans) if p is not None]
-            for r, h in pending:
-                try:
-                    shards.append(self.proposers[r].wait(h))
-                except WorkerLost:
-                    # Its sequences verify without proposals this step (plain decoding).
-                    step.lost_drafts.add(r)
-                    self.scheduler.draft_lost(r)
-            if any(p.seq_ids for p, _ in shards):
-                draft_s = time.perf_counter() - t_draft
-        t1 = time.perf_counter()
-        merge_s = 0.0
+        if not any(p is not None for p in step.draft_plans):
+            return shards
+        t_draft = self.clock()
+        pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans) if p is not None]
+        for r, h in pending:
+            try:
+                shards.append(self.proposers[r].wait(h))
+            except WorkerLost:
+                # Its sequences verify without proposals this step (plain decoding).
+                outcome.lost_drafts.add(r)
+        if any(p.seq_ids for p, _ in shards):
+            outcome.draft_s = self.clock() - t_draft
+            # Workers compute in parallel: the slowest one's own time is the phase's compute,
+            # the rest of the phase's wall time is messaging.
+            outcome.draft_compute_s = max(p.compute_s for p, _ in shards)
+        return shards
+
+    def verify(self, step: ScheduledStep, shards: list[tuple[Proposals, Any]], outcome: StepOutcome) -> None:
+        """Merge the proposals into each target plan, then every target worker at once."""
+        t1 = self.clock()
         pending = []
         for r, plan in enumerate(step.target_plans):
             if plan is None:
                 continue
             probs = []
             if shards and plan.seq_ids:
-                t_merge = time.perf_counter()
+                t_merge = self.clock()
                 mine = set(plan.seq_ids)
                 used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
-                self.scheduler.attach_proposals(step, r, merge_proposals(plan.seq_ids, plan.k, [p for p, _ in used]))
+                merged = merge_proposals(plan.seq_ids, plan.k, [p for p, _ in used])
+                attach(plan, merged)
+                outcome.confidence.update(merged.confidence)
                 probs = [h for p, h in used if p.has_probs]
-                merge_s += time.perf_counter() - t_merge
+                outcome.merge_s += self.clock() - t_merge
             pending.append((r, self.verifiers[r].submit(plan, probs)))
-        results: list[StepResult | None] = [None] * len(step.target_plans)
         for r, h in pending:
             try:
-                results[r] = self.verifiers[r].wait(h)
+                outcome.results[r] = self.verifiers[r].wait(h)
             except WorkerLost:
                 # Its sequences are requeued with every token they had; nothing is lost.
-                step.lost_targets.add(r)
-                self.scheduler.target_lost(r)
-        verify_s = time.perf_counter() - t1 - merge_s
-        # Workers compute in parallel: the slowest one's own time is the phase's compute,
-        # the rest of the phase's wall time is messaging.
-        self.scheduler.stats.record_phases(
-            draft_s, verify_s, merge_s,
-            max((p.compute_s for p, _ in shards), default=0.0) if draft_s is not None else 0.0,
-            max((res.compute_s for res in results if res is not None), default=0.0))
-        self.scheduler.observe_times(step, draft_s, verify_s)
-        return self.scheduler.update(step, results, time.perf_counter() - t0)
+                outcome.lost_targets.add(r)
+        outcome.verify_s = self.clock() - t1 - outcome.merge_s
+        outcome.verify_compute_s = max((res.compute_s for res in outcome.results if res is not None), default=0.0)

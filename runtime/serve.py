@@ -71,7 +71,7 @@ def run(args) -> int:
     info = rt.info
     print(f"specray: driver {args.name!r} (namespace {args.namespace!r}) serving {cfg.target} "
           f"with proposer={cfg.proposer} k={info['num_speculative_tokens']}"
-          + (f" (alone up to {cfg.widest_k})" if cfg.widest_k > cfg.k else "") + f" on {address}")
+          + (f" (alone up to {cfg.lookahead})" if cfg.lookahead > cfg.k else "") + f" on {address}")
     print(f"specray: attach with SpecRuntime.connect(name={args.name!r}, namespace={args.namespace!r})",
           flush=True)
     if args.log_interval <= 0:

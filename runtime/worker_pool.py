@@ -180,7 +180,7 @@ class StartCancelled(Exception):
     """The start was called off (its driver refused the configuration) before it ended."""
 
 
-def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str,
+def start_workers(cfg: RuntimeConfig, backend: str,
                   cancel: threading.Event | None = None) -> WorkerPool:
     """``cancel``: once set, a start still waiting for placement or for its workers to
     load stops, releases what it took and raises StartCancelled. Loading a large model
@@ -188,10 +188,10 @@ def start_workers(cfg: RuntimeConfig, wcfg: dict, backend: str,
     another vocabulary) should not make its user wait for it."""
     cancel = cancel or threading.Event()
     if backend == "local":
-        return _start_local(cfg, wcfg, cancel)
+        return _start_local(cfg, cancel)
     if backend != "ray":
         raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
-    return _start_ray(cfg, wcfg, cancel)
+    return _start_ray(cfg, cancel)
 
 
 def _check(cancel: threading.Event) -> None:
@@ -219,7 +219,7 @@ def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
     return [LocalCall(NgramProposer(cfg.ngram_max, cfg.ngram_min).propose)]
 
 
-def _start_local(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> WorkerPool:
+def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     from specray.workers.draft_worker import DraftWorker
     from specray.workers.target_worker import TargetWorker
 
@@ -227,14 +227,14 @@ def _start_local(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> Wor
     targets = []
     for _ in range(cfg.num_target_workers):
         _check(cancel)
-        targets.append(TargetWorker(WorkerConfig(cfg.target, **wcfg)))
+        targets.append(TargetWorker(WorkerConfig.target_of(cfg.model, cfg.cache)))
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers, d_blocks = [], None
     if cfg.proposer == "draft":
         drafts = []
         for _ in range(cfg.num_draft_workers):
             _check(cancel)
-            drafts.append(DraftWorker(WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg)))
+            drafts.append(DraftWorker(WorkerConfig.draft_of(cfg.model, cfg.cache)))
         proposers = [LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
     elif cfg.proposer == "ngram":
@@ -242,7 +242,7 @@ def _start_local(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> Wor
     return WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
 
 
-def _start_ray(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> WorkerPool:
+def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -250,10 +250,10 @@ def _start_ray(cfg: RuntimeConfig, wcfg: dict, cancel: threading.Event) -> Worke
     from specray.worker_actors import RemoteDraftWorker, RemoteTargetWorker, actor_options
 
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    kinds = [("target", RemoteTargetWorker, WorkerConfig(cfg.target, **wcfg),
+    kinds = [("target", RemoteTargetWorker, WorkerConfig.target_of(cfg.model, cfg.cache),
                actor_options(cfg.target_resources, gpu)) for _ in range(cfg.num_target_workers)]
     if cfg.proposer == "draft":
-        kinds += [("draft", RemoteDraftWorker, WorkerConfig(cfg.draft, window_of=cfg.target, **wcfg),
+        kinds += [("draft", RemoteDraftWorker, WorkerConfig.draft_of(cfg.model, cfg.cache),
                    actor_options(cfg.draft_resources, gpu)) for _ in range(cfg.num_draft_workers)]
     bundles = [_bundle(opts) for _, _, _, opts in kinds]
     pg = None

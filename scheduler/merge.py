@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specray.scheduler.messages import Proposals
+from specray.scheduler.messages import Proposals, StepPlan
 
 
 @dataclass
@@ -57,3 +57,10 @@ def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> Merg
         if shard.has_probs:
             row_offset += len(shard.seq_ids)
     return MergedProposals(tokens, lens, rows, confidence)
+
+
+def attach(plan: StepPlan, merged: MergedProposals) -> None:
+    """The merged proposals become the target plan's (what its worker verifies)."""
+    plan.proposal_token_ids = merged.token_ids
+    plan.proposal_lens = merged.proposal_lens
+    plan.draft_rows = merged.draft_rows

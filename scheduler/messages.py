@@ -27,6 +27,11 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 REACH_BINS = 10                  # deciles of the draft's probability (StepPlan.reach_map)
 
 
+def decile(probability: float) -> int:
+    """The ``StepPlan.reach_map`` bin of a draft probability."""
+    return min(max(int(probability * REACH_BINS), 0), REACH_BINS - 1)
+
+
 class ProtocolError(ValueError):
     """A step message that is malformed, of another version, or too large."""
 

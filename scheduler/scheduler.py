@@ -3,9 +3,13 @@ over any number of target and draft workers.
 
 Each step::
 
-    schedule()  -> ScheduledStep: one plan per target worker, one per draft worker
-    workers     -> Proposals (per draft worker), StepResult (per target worker)
-    update()    -> sequences advanced, finished ones released
+    schedule()        -> ScheduledStep: one plan per target worker, one per draft worker
+    workers           -> Proposals (per draft worker), StepResult (per target worker)
+    update(outcome)   -> sequences advanced, finished ones released
+
+How many tokens each sequence proposes is its ``SpeculationPolicy``'s call (``decide``
+before planning, ``observe`` after the verdict); the scheduler bounds it by each
+sequence's cap and reserves the slots.
 
 Every sequence lives on one target worker and one draft worker (its ranks), chosen when
 it is admitted — the least loaded by tokens where it fits — and kept while it runs, so
@@ -23,67 +27,46 @@ preempted sequence goes back to the front of the queue with every token it emitt
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.merge import MergedProposals
-from specray.scheduler.messages import StepPlan, StepResult
+from specray.scheduler.config import CacheConfig
+from specray.scheduler.messages import StepPlan
 from specray.scheduler.sequence import Sequence, SequenceStatus
-from specray.scheduler.speculation_policy import SpeculationPolicy
+from specray.scheduler.speculation_policy import (Decision, PolicyOutcome, PolicyView, SequenceOutcome,
+                                                  SpeculationPolicy, StaticPolicy)
 from specray.scheduler.stats import SpecStats
+from specray.scheduler.step import ScheduledStep, StepOutcome
 
 
 @dataclass
 class SchedulerConfig:
-    num_speculative_tokens: int
     target_max_len: int
-    draft_max_len: int | None = None     # None: the proposer has no length limit (n-gram)
-    use_proposer: bool = True            # False: proposer "none", plain decoding
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192   # prefill budget per step for newly admitted work
-    speculation_policy: str = "static"   # "static" | "adaptive" (goodput-based, per sequence)
-    disable_by_batch_size: int | None = None
-    draft_early_stop: bool = True        # adaptive, batch 1: the draft stops where a proposal stops paying
-    max_speculative_tokens: int | None = None   # adaptive with early stops: a sequence alone's cap
+    max_speculative_tokens: int = 0       # the lookahead: the most any step proposes (0: no proposer)
+    draft_max_len: int | None = None      # None: the proposer has no length limit (n-gram)
+    cache: CacheConfig = CacheConfig()
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if isinstance(self.max_speculative_tokens, bool) or not isinstance(self.max_speculative_tokens, int) \
+                or self.max_speculative_tokens < 0:
+            raise ValueError(f"max_speculative_tokens must be an int >= 0, got {self.max_speculative_tokens!r}")
         if self.target_max_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.target_max_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-
-
-@dataclass
-class ScheduledStep:
-    step_id: int
-    seqs: list[Sequence]                          # every scheduled sequence, oldest first
-    target_plans: list[StepPlan | None]           # per target worker; None: nothing to send
-    target_seqs: list[list[Sequence]]
-    draft_plans: list[StepPlan | None] = field(default_factory=list)   # per draft worker
-    draft_seqs: list[list[Sequence]] = field(default_factory=list)
-    lost_drafts: set[int] = field(default_factory=set)                # draft workers that failed this step
-    lost_targets: set[int] = field(default_factory=set)               # target workers that failed this step
-    call_s: float = 0.0                                               # draft + verify calls' wall time
-    # seq id -> the draft's probability of each of its proposals (drafts that stop early)
-    draft_confidence: dict[int, list[float]] = field(default_factory=dict)
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, target_pools: BlockManager | list[BlockManager],
-                 draft_pools: BlockManager | list[BlockManager] | None = None, num_proposers: int = 1) -> None:
+                 draft_pools: BlockManager | list[BlockManager] | None = None, num_proposers: int = 1,
+                 policy: SpeculationPolicy | None = None) -> None:
         """``draft_pools``: the draft workers' pools (None for a proposer without KV, such
-        as n-gram lookup, of which there are ``num_proposers``)."""
+        as n-gram lookup, of which there are ``num_proposers``). ``policy``: what each
+        sequence proposes (default: static k = the lookahead)."""
         self.config = config
-        self.policy = SpeculationPolicy(config.speculation_policy, config.num_speculative_tokens,
-                                        config.disable_by_batch_size, stop_early=config.draft_early_stop,
-                                        alone_k_max=config.max_speculative_tokens)
-        # The widest step: lookahead slots are reserved and caps computed for it; the
-        # policy keeps a batch within num_speculative_tokens.
-        self.k = self.policy.widest_k if config.use_proposer else 0
+        # The lookahead: slots are reserved and caps computed for the widest step.
+        self.k = config.max_speculative_tokens
+        self.policy: SpeculationPolicy = policy if policy is not None else StaticPolicy(self.k)
         self.target_pools = _as_list(target_pools)
         self.draft_pools = _as_list(draft_pools) if draft_pools is not None else []
         if not self.target_pools:
@@ -112,8 +95,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- planning ------------------------------------------------------------------
-    def proposal_len(self, seq: Sequence) -> int:
-        """k_i: at most k, leaves room for the bonus token inside max_tokens and
+    def cap(self, seq: Sequence) -> int:
+        """The most ``seq`` may propose this step: at most the lookahead, leaves room for the bonus token inside max_tokens and
         max_model_len, and is 0 where the draft cannot see that far."""
         if self.k == 0 or seq.draft_rank in self.drafts_down:
             return 0
@@ -182,40 +165,31 @@ class Scheduler:
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
 
-    def _planned_k(self) -> tuple[dict[int, int], int]:
-        """The policy's k_i for every running sequence, and the k a newcomer gets."""
-        caps = [self.proposal_len(s) for s in self.running]
+    def _decide(self) -> Decision:
+        """The policy's proposal lengths for the running sequences and for newcomers."""
         if self.k == 0:
-            return {s.seq_id: 0 for s in self.running}, 0
-        fed = sum(s.num_tokens - s.target_computed for s in self.running)
-        ks = self.policy.choose(caps, [s.acceptance for s in self.running], fed)
-        planned = {s.seq_id: k for s, k in zip(self.running, ks)}
-        if self.policy.kind == "static":
-            newcomer = self.policy.k_max
-        elif ks:
-            # Within k_max: a sequence alone may plan further, but a newcomer makes a batch.
-            newcomer = min(round(sum(ks) / len(ks)), self.policy.k_max)
-        else:
-            # Nothing running to go by: what the model would give a fresh sequence. Not k
-            # regardless: with a draft that has been failing, every newcomer would cost the
-            # draft a prefill for proposals that will be rejected.
-            newcomer = self.policy.fresh_k(self.k, self._reachable_batch())
-        # The rule holds for the batch this step may reach, not the one before admissions:
-        # requests arriving together into an empty batch would otherwise all propose (and
-        # the draft prefill every prompt) in the very step the rule exists to spare.
-        limit = self.policy.disable_by_batch_size
-        if limit is not None and self._reachable_batch() >= limit:
-            newcomer = 0
-        return planned, newcomer
+            return Decision([0] * len(self.running))
+        view = PolicyView(seq_ids=[s.seq_id for s in self.running], caps=[self.cap(s) for s in self.running],
+                          fed_tokens=sum(s.num_tokens - s.target_computed for s in self.running),
+                          batch_size=self._reachable_batch(), lookahead=self.k)
+        decision = self.policy.decide(view)
+        if len(decision.proposal_lens) != len(self.running) or any(
+                not 0 <= k <= c for k, c in zip(decision.proposal_lens, view.caps)):
+            raise ValueError(f"policy decided proposal_lens {decision.proposal_lens} for caps {view.caps}")
+        if decision.min_reach and len(decision.min_reach) != len(self.running):
+            raise ValueError(f"policy decided {len(decision.min_reach)} floors for {len(self.running)} sequences")
+        return decision
 
     def _reachable_batch(self) -> int:
         """The batch this step may reach once the waiting requests are admitted."""
-        return min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return min(len(self.running) + len(self.waiting), self.config.cache.max_num_seqs)
 
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
         preempted = False
-        planned, newcomer_k = self._planned_k()
+        decision = self._decide()
+        planned = dict(zip((s.seq_id for s in self.running), decision.proposal_lens))
+        floors = dict(zip((s.seq_id for s in self.running), decision.min_reach))
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
@@ -233,7 +207,7 @@ class Scheduler:
             if k is not None:
                 batch.append((seq, k))
 
-        budget = self.config.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
+        budget = self.config.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
         t_load = [0] * len(self.target_pools)
         d_load = [0] * max(self.num_draft_ranks, 1)
         for s in self.running:
@@ -241,7 +215,7 @@ class Scheduler:
             d_load[s.draft_rank] += s.num_tokens
         # No admissions in a step that had to preempt (that would thrash), unless nothing
         # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
-        while self.waiting and not (preempted and batch) and len(batch) < self.config.max_num_seqs:
+        while self.waiting and not (preempted and batch) and len(batch) < self.config.cache.max_num_seqs:
             seq = self.waiting[0]
             cost = seq.num_tokens - seq.target_computed
             if batch and cost > budget:
@@ -249,13 +223,15 @@ class Scheduler:
             self._place(seq, t_load, d_load)
             if seq.target_rank in self.targets_down:
                 break   # every target worker is down: wait for one to come back
-            k = self._reserve(seq, min(self.proposal_len(seq), newcomer_k))
+            k = self._reserve(seq, min(self.cap(seq), decision.newcomer_len))
             if k is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, k))
+            if decision.newcomer_min_reach:
+                floors[seq.seq_id] = decision.newcomer_min_reach
             budget -= cost
 
         if not batch:
@@ -265,9 +241,10 @@ class Scheduler:
                 raise RuntimeError(f"KV pool too small: request {seq.request_id} needs "
                                    f"{pool.blocks_needed(seq.num_tokens)} blocks, the pool has {pool.num_blocks}")
             return None
-        return self._build(batch)
+        return self._build(batch, floors, decision.reach_map)
 
-    def _build(self, batch: list[tuple[Sequence, int]]) -> ScheduledStep:
+    def _build(self, batch: list[tuple[Sequence, int]], floors: dict[int, float],
+               reach_map: list[float]) -> ScheduledStep:
         self._step_id += 1
         sid = self._step_id
         t_plans: list[StepPlan | None] = [None] * len(self.target_pools)
@@ -281,7 +258,7 @@ class Scheduler:
         k_step = max((k for _, k in batch), default=0)
         for seq, k in batch:
             seq.step_len = n = seq.num_tokens
-            seq.step_k = k
+            seq.proposal_len = k
             t = seq.target_rank
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, k=k_step)
@@ -293,15 +270,14 @@ class Scheduler:
                     d_plans[d] = StepPlan(step_id=sid, k=k_step)
                 _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
                 d_seqs[d].append(seq)
-        if self.policy.stopping and any(d_plans):
-            # Floors under which a draft stops proposing early (see SpeculationPolicy).
-            floors = {s.seq_id: self.policy.min_reach(s.acceptance) for s, k in batch if k > 1}
-            if any(floors.values()):
-                reach_map = self.policy.reach_map()
-                for plan in d_plans:
-                    if plan is not None:
-                        plan.min_reach = [floors.get(sid, 0.0) for sid in plan.seq_ids]
-                        plan.reach_map = list(reach_map)
+        # Floors under which a draft stops proposing early (StepPlan.min_reach); a single
+        # proposal has nothing to stop early.
+        floors = {s.seq_id: floors.get(s.seq_id, 0.0) for s, k in batch if k > 1}
+        if any(floors.values()) and any(d_plans):
+            for plan in d_plans:
+                if plan is not None:
+                    plan.min_reach = [floors.get(sid, 0.0) for sid in plan.seq_ids]
+                    plan.reach_map = list(reach_map)
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):
@@ -342,57 +318,36 @@ class Scheduler:
     def target_back(self, rank: int) -> None:
         self.targets_down.discard(rank)
 
-    def attach_proposals(self, step: ScheduledStep, rank: int, merged: MergedProposals) -> None:
-        plan = step.target_plans[rank]
-        plan.proposal_token_ids = merged.token_ids
-        plan.proposal_lens = merged.proposal_lens
-        plan.draft_rows = merged.draft_rows
-        if merged.confidence:
-            step.draft_confidence.update(merged.confidence)
-
-    def observe_times(self, step: ScheduledStep, draft_s: float | None, verify_s: float) -> None:
-        """Feed measured call times to the policy's cost model (only an adaptive policy
-        uses one)."""
-        step.call_s = (draft_s or 0.0) + verify_s
-        if self.policy.kind != "adaptive":
-            return
-        plans = [p for p in step.target_plans if p is not None and p.seq_ids]
-        fed = sum(sum(p.num_new) for p in plans)
-        proposed = sum(sum(p.proposal_lens) for p in plans)
-        longest = max((max(p.proposal_lens, default=0) for p in plans), default=0)
-        self.policy.cost.observe_target(len(step.seqs), fed, proposed, longest, verify_s)
-        if draft_s is not None:
-            dplans = [p for p in step.draft_plans if p is not None and p.seq_ids]
-            # The target plans hold the proposals merged into them, so ``longest`` and
-            # ``proposed`` are the passes and tokens the drafts made: fewer than chosen
-            # where one stopped early.
-            fed_draft = sum(sum(p.num_new) for p in dplans)
-            self.policy.cost.observe_draft(len(step.seqs), longest, fed_draft, proposed, draft_s)
-
     # -- results -------------------------------------------------------------------
-    def update(self, step: ScheduledStep, results: list[StepResult | None], seconds: float = 0.0
-               ) -> list[tuple[Sequence, list[int]]]:
-        """Apply every target worker's verdict (``results`` aligned with
-        ``step.target_plans``); return (sequence, newly appended tokens) for every
-        sequence of the step. Finished sequences are released."""
+    def update(self, outcome: StepOutcome) -> list[tuple[Sequence, list[int]]]:
+        """Apply a step's outcome: lost workers first, then every target worker's verdict
+        (``outcome.results`` aligned with the step's target plans). Returns (sequence,
+        newly appended tokens) for every sequence verified. Finished sequences are released."""
+        step = outcome.step
+        for r in sorted(outcome.lost_drafts):
+            self.draft_lost(r)
+        for r in sorted(outcome.lost_targets):
+            self.target_lost(r)
+        results = outcome.results
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
-            if r in step.lost_targets:
+            if r in outcome.lost_targets or not seqs:
                 continue
             res = results[r] if r < len(results) else None
-            if seqs and (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]
-                         or len(res.num_emitted) != len(seqs) or sum(res.num_emitted) != len(res.token_ids)):
+            if (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]
+                    or len(res.num_emitted) != len(seqs) or sum(res.num_emitted) != len(res.token_ids)):
                 raise ValueError(f"StepResult of target worker {r} does not match its batch")
-            if seqs:
-                for i, (seq, n_emit) in enumerate(zip(seqs, res.num_emitted)):
-                    proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-                    if not 1 <= n_emit <= proposed + 1:
-                        raise ValueError(f"sequence {seq.seq_id} emitted {n_emit} tokens for {proposed} proposals")
+            for i, (seq, n_emit) in enumerate(zip(seqs, res.num_emitted)):
+                proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+                if not 1 <= n_emit <= proposed + 1:
+                    raise ValueError(f"sequence {seq.seq_id} emitted {n_emit} tokens for {proposed} proposals")
         out = []
-        drafted = accepted = emitted_total = longest = 0
+        verdicts: list[SequenceOutcome] = []
+        target_fed = 0
         for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
-            if not seqs or r in step.lost_targets:
+            if not seqs or r in outcome.lost_targets:
                 continue
             res = results[r]
+            target_fed += sum(plan.num_new)
             pos = 0
             for i, seq in enumerate(seqs):
                 n_emit = res.num_emitted[i]
@@ -402,36 +357,40 @@ class Scheduler:
                 n_acc = n_emit - 1
                 L = seq.step_len
                 seq.target_computed = L + n_acc
-                if seq.draft_rank in step.lost_drafts:
+                if seq.draft_rank in outcome.lost_drafts:
                     seq.draft_computed = 0
-                elif seq.step_k:
+                elif seq.proposal_len:
                     # The draft cached its fed tokens and all its proposals but the last.
                     seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
                 seq.num_draft_tokens += proposed
                 seq.num_accepted_tokens += n_acc
                 if self.k:
-                    self.policy.observe(seq.acceptance, proposed, n_acc, step.draft_confidence.get(seq.seq_id))
                     self.stats.record_positions(proposed, n_acc)
-                drafted += proposed
-                longest = max(longest, proposed)
-                if seq.seq_id in step.draft_confidence:
-                    self.stats.num_stopped_proposals += seq.step_k - proposed
-                accepted += n_acc
-                emitted_total += n_emit
+                confidence = outcome.confidence.get(seq.seq_id)
+                if confidence is not None:
+                    self.stats.num_stopped_proposals += seq.proposal_len - proposed
                 out.append((seq, self._append(seq, emitted)))
-        self.stats.record_step(len(out), emitted_total, drafted, accepted, seconds)
-        if self.policy.kind == "adaptive":
-            fed = sum(sum(p.num_new) for p in step.target_plans if p is not None)
-            # Beyond the one token per drafting sequence that the step's price assumes.
-            catch_up = sum(sum(p.num_new) - len(p.seq_ids) for p in step.draft_plans if p is not None)
-            self.policy.observe_step(len(out), fed, drafted, emitted_total, seconds, catch_up, longest)
-            self.policy.cost.observe_overhead(len(out), seconds - step.call_s)
-        self.stats.record_speculation(sum(s.step_k for s, _ in out), len(out), self.k)
+                verdicts.append(SequenceOutcome(seq.seq_id, proposed, n_acc, confidence, seq.finished))
+        emitted_total = sum(v.accepted + 1 for v in verdicts)
+        drafted = sum(v.proposed for v in verdicts)
+        stats = self.stats
+        stats.schedule_s += outcome.schedule_s
+        stats.record_phases(outcome.draft_s, outcome.verify_s, outcome.merge_s, outcome.draft_compute_s,
+                            outcome.verify_compute_s)
+        stats.record_step(len(out), emitted_total, drafted, sum(v.accepted for v in verdicts), outcome.step_s)
+        if self.k:
+            dplans = [p for p in step.draft_plans if p is not None]
+            self.policy.observe(PolicyOutcome(
+                verdicts, target_fed=target_fed, draft_fed=sum(sum(p.num_new) for p in dplans),
+                num_drafting=sum(len(p.seq_ids) for p in dplans), emitted=emitted_total, draft_s=outcome.draft_s,
+                verify_s=outcome.verify_s, step_s=outcome.step_s,
+                lost_workers=bool(outcome.lost_drafts or outcome.lost_targets)))
+        stats.record_speculation(sum(s.proposal_len for s, _ in out), len(out), self.k)
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)
                 self._release(seq)
-                self.stats.num_requests_finished += 1
+                stats.num_requests_finished += 1
         return out
 
     def _append(self, seq: Sequence, emitted: list[int]) -> list[int]:
@@ -458,6 +417,8 @@ class Scheduler:
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
+        if self.k and seqs:
+            self.policy.observe(PolicyOutcome([], forgotten=[s.seq_id for s in seqs]))
         return seqs
 
     def check_integrity(self) -> None:

@@ -14,7 +14,6 @@ import enum
 from dataclasses import dataclass, field
 
 from specray.scheduler.sampling_params import SamplingParams
-from specray.scheduler.acceptance import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):
@@ -40,12 +39,11 @@ class Sequence:
     num_preemptions: int = 0
     # Set while a step is in flight: the length before the step and the planned k_i.
     step_len: int = 0
-    step_k: int = 0
+    proposal_len: int = 0
     # Which target / draft worker holds this sequence's KV (sticky while it runs).
     target_rank: int = 0
     draft_rank: int = 0
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     @property
     def num_tokens(self) -> int:

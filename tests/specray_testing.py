@@ -3,41 +3,47 @@ an in-process serving run, and starting/stopping test Ray heads by pid."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from pathlib import Path
 
-from specray.scheduler.speculation_policy import SpeculationPolicy
+import pytest
+
+from specray.scheduler.speculation_policy import Decision, PolicyOutcome, PolicyView
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The adaptive policy is a plug-in: tests that run it through the runtime skip without it.
+needs_adaptive = pytest.mark.skipif(importlib.util.find_spec("specray.scheduler.adaptive") is None,
+                                    reason="the specray.scheduler.adaptive package is not installed")
 
-class FixedFloorPolicy(SpeculationPolicy):
-    """Proposes every cap, like static k, and asks every draft to stop below a fixed
-    floor: the early stop alone is on trial. Adaptive by kind, as only an adaptive policy
-    asks drafts to stop. ``raw``: the reach is the draft's own probability, uncalibrated."""
 
-    def __init__(self, k: int, floor: float, raw: bool = False) -> None:
-        super().__init__("adaptive", k)
+class FixedFloorPolicy:
+    """Proposes every cap within ``k``, like static k, and asks every draft to stop below a
+    fixed floor: the early stop alone is on trial. ``calibration`` (an object with
+    ``observe(confidence, accepted)`` and ``reach_map()``, such as the adaptive policy's
+    ``ConfidenceCalibration``) calibrates the draft's probabilities; None: the reach is the
+    draft's own probability. Every outcome it hears is kept in ``outcomes``."""
+
+    def __init__(self, k: int, floor: float, calibration=None) -> None:
+        self.k = k
         self.floor = floor
-        self.raw = raw
+        self.calibration = calibration
+        self.outcomes: list[PolicyOutcome] = []
 
-    @property
-    def stopping(self) -> bool:
-        return True
+    def decide(self, view: PolicyView) -> Decision:
+        reach_map = self.calibration.reach_map() if self.calibration is not None else []
+        return Decision([min(c, self.k) for c in view.caps], newcomer_len=self.k,
+                        min_reach=[self.floor] * len(view.caps), newcomer_min_reach=self.floor, reach_map=reach_map)
 
-    def choose(self, caps, estimates, fed_tokens):
-        # Within its k, as static k: the scheduler's caps reach an adaptive runtime's widest step.
-        return [min(c, self.k_max) for c in caps]
+    def observe(self, outcome: PolicyOutcome) -> None:
+        self.outcomes.append(outcome)
+        if self.calibration is not None:
+            for s in outcome.sequences:
+                if s.confidence:
+                    self.calibration.observe(s.confidence, s.accepted)
 
-    def fresh_k(self, cap, num_seqs=1):
-        return min(cap, self.k_max)
-
-    def min_reach(self, estimate):
-        return self.floor
-
-    def reach_map(self):
-        return [] if self.raw else super().reach_map()
 
 def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
               heads: int = 4, kv_heads: int = 2, max_len: int = 256, draft_max_len: int | None = None,

@@ -3,7 +3,36 @@ driver's side (the client process that defines the actors) can name them cheaply
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specray.scheduler.config import CacheConfig, check_choice, check_int
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model pair and how it runs: the section of ``RuntimeConfig`` every worker reads."""
+
+    target: str = field(default="", metadata={"help": "target model: a local Hugging Face directory or hub id"})
+    draft: str | None = field(default=None, metadata={
+        "help": "draft model (proposer 'draft'): a local directory or hub id"})
+    device: str = field(default="auto", metadata={"help": "cuda when present, else cpu", "choices": DEVICES})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (the checkpoint's on CUDA, float32 on CPU), float32, bfloat16 or float16"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context window (default: the target's max_position_embeddings)"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError("target must be a model path or hub id")
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
+            raise ValueError(f"draft must be a model path or hub id, got {self.draft!r}")
+        check_choice("device", self.device, DEVICES)
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a string, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 2)
 
 
 @dataclass
@@ -19,6 +48,20 @@ class WorkerConfig:
     # target's sequences. Read by the worker, so the driver can start workers before it
     # has loaded any config itself.
     window_of: str | None = None
+
+    @classmethod
+    def target_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
+        return cls._of(model.target, model, cache, None)
+
+    @classmethod
+    def draft_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
+        return cls._of(model.draft, model, cache, model.target)
+
+    @classmethod
+    def _of(cls, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None) -> "WorkerConfig":
+        return cls(path, dtype=model.dtype, device=model.device, block_size=cache.block_size,
+                   num_kv_blocks=cache.num_kv_blocks, max_model_len=model.max_model_len,
+                   max_num_seqs=cache.max_num_seqs, window_of=window_of)
 
 
 class StaleCacheError(RuntimeError):

@@ -110,7 +110,7 @@ def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatc
     assert set(started) == set(wanted)
     assert [(c.max_model_len, c.max_num_seqs) for c in configs] == [(300, 8)] * 4
     # The bench's k, or a swept one; an adaptive run's request alone reaches twice k.
-    assert [(c.num_speculative_tokens, c.widest_k) for c in configs] == [(4, 4), (4, 8), (4, 0), (6, 6)]
+    assert [(c.num_speculative_tokens, c.lookahead) for c in configs] == [(4, 4), (4, 8), (4, 0), (6, 6)]
 
 
 def test_each_repeat_rotates_the_configurations_of_each_batch_size():

@@ -166,14 +166,12 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
     t, d = llama_pair
     cfg = RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
                         target_resources={"no_such_resource": 1})
-    wcfg = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=None, max_model_len=None,
-                max_num_seqs=cfg.max_num_seqs)
     before = alive()
     cancel, raised = threading.Event(), []
 
     def start():
         try:
-            start_workers(cfg, wcfg, "ray", cancel)
+            start_workers(cfg, "ray", cancel)
         except BaseException as e:
             raised.append(e)
 

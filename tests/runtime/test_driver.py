@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray_testing import hf_greedy
+from specray_testing import needs_adaptive, hf_greedy
 from specray.config import RuntimeConfig
 from specray.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
@@ -45,36 +45,11 @@ def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
     assert "metrics export: KeyError" in status["last_error"]
 
 
-@pytest.mark.parametrize("early_stop", [True, False])
-def test_requests_alone_stop_their_drafts_early_and_stay_exact(llama_pair, early_stop):
-    """``draft_early_stop`` (the default): a request alone in the batch gets a floor from
-    the adaptive policy's cost model, the real draft worker stops there and reports its
-    probabilities; outputs stay transformers' greedy ones. Off, nothing is reported."""
-    t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu",
-                                   dtype="float32", speculation_policy="adaptive", draft_early_stop=early_stop),
-                     backend="local")
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    try:
-        outs = [drv.wait(drv.submit([p], [params]).request_ids, timeout=300)[0] for p in prompts]
-        policy = drv.scheduler.policy
-        info, m = drv.info(), drv.metrics()
-    finally:
-        drv.shutdown()
-    assert [o.token_ids for o in outs] == hf_greedy(t, prompts, 40)
-    assert policy.stop_early is early_stop
-    assert (policy.confidence.observations > 0) is early_stop
-    # Alone with stops, a request may propose past num_speculative_tokens (twice it by
-    # default; test_adaptive.py checks that it does).
-    assert info["max_speculative_tokens"] == m["max_speculative_tokens"] == (8 if early_stop else 4)
-
-
 def test_max_speculative_tokens_is_checked(llama_pair):
     t, d = llama_pair
-    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive").widest_k == 8
-    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=6).widest_k == 6
-    assert RuntimeConfig(target=t, draft=d).widest_k == 4
+    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive").lookahead == 8
+    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=6).lookahead == 6
+    assert RuntimeConfig(target=t, draft=d).lookahead == 4
     with pytest.raises(ValueError, match="max_speculative_tokens applies to speculation_policy='adaptive'"):
         RuntimeConfig(target=t, draft=d, max_speculative_tokens=8)
     with pytest.raises(ValueError, match="max_speculative_tokens applies"):
@@ -84,6 +59,11 @@ def test_max_speculative_tokens_is_checked(llama_pair):
         RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=3)
     with pytest.raises(ValueError, match="max_speculative_tokens must be an int >= 1"):
         RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens="8")
+
+
+@needs_adaptive
+def test_max_speculative_tokens_must_fit_the_window(llama_pair):
+    t, d = llama_pair
     with pytest.raises(ValueError, match="max_speculative_tokens 64 must be below max_model_len 32"):
         DriverCore(RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=64,
                                  max_model_len=32, device="cpu"), backend="local")

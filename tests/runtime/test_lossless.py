@@ -134,7 +134,7 @@ def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
                         dtype="float32", max_num_seqs=N, max_num_batched_tokens=N * len(PROMPT), max_pending=N, seed=12)
     drv = DriverCore(cfg, backend="local")
-    drv.scheduler.policy = FixedFloorPolicy(2, floor, raw=True)
+    drv.scheduler.policy = FixedFloorPolicy(2, floor)
     try:
         # Three tokens, so the first step may propose two (one token is kept for the bonus),
         # and every request is admitted in that step.

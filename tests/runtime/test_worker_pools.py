@@ -37,14 +37,15 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
         seen: dict[int, tuple[int, int]] = {}
         orig_update = drv.scheduler.update
 
-        def spy(step, results, seconds=0.0):
+        def spy(outcome):
+            step = outcome.step
             for r, seqs in enumerate(step.target_seqs):
                 for s in seqs:
                     assert s.target_rank == r
                     assert seen.setdefault(s.seq_id, (s.target_rank, s.draft_rank)) == (s.target_rank, s.draft_rank)
             for r, seqs in enumerate(step.draft_seqs):
                 assert all(s.draft_rank == r for s in seqs)
-            return orig_update(step, results, seconds)
+            return orig_update(outcome)
 
         drv.scheduler.update = spy
         reply = drv.submit([[i + 1] * (3 + i) for i in range(8)], [SamplingParams(max_tokens=10, temperature=0.0)] * 8)
@@ -64,7 +65,7 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair,
 
     seen = []
 
-    def start_workers(cfg, wcfg, backend, cancel):
+    def start_workers(cfg, backend, cancel):
         # A model that takes long to load: only being called off ends this start.
         seen.append(cancel.wait(timeout=120))
         raise StartCancelled("called off")

@@ -14,12 +14,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
+# The replay is the adaptive policy's bench: without the package there is nothing to replay.
+pytest.importorskip("specray.scheduler.adaptive")
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import policy_replay as pr  # noqa: E402
 from specray.stdlib_corpus import held_out_prompts  # noqa: E402
-from specray.scheduler.speculation_policy import SpeculationPolicy  # noqa: E402
+from specray.scheduler.adaptive.draft_confidence import ConfidenceCalibration  # noqa: E402
+from specray.scheduler.speculation_policy import StaticPolicy  # noqa: E402
 from specray_testing import FixedFloorPolicy  # noqa: E402
 
 TARGET, DRAFT = str(REPO / "models" / "tiny-target"), str(REPO / "models" / "tiny-draft")
@@ -42,21 +46,22 @@ def test_a_replayed_static_run_proposes_and_accepts_what_specray_did(table, k):
     # A table recorded at k = 4 holds at most 4 matches per position; min(k, L) replays
     # any smaller k too, as long as the run stays greedy.
     clipped = pr.AcceptanceTable(k, table.prompt_lens, [[min(k, x) for x in row] for row in table.matches])
-    run = pr.replay_batch(SpeculationPolicy("static", k), clipped, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    run = pr.replay_batch(StaticPolicy(k), clipped, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert (run.proposed, run.accepted) == _specray_counts(k, held_out_prompts(3))
     assert 0 < sum(run.accepted) < sum(run.proposed)          # the draft is neither always right nor useless
 
 
 def test_policies_keep_within_their_own_k_on_a_wider_table(table):
     """The table's k is the widest step, as a runtime's: static k = 2 on it replays as on
-    a table clipped to 2, and adaptive with k_max = 2 reaches past 2 alone, where its
-    draft stops early (alone_k_max; test_speculation_policy.py checks that a batch does not)."""
+    a table clipped to 2, and adaptive with k = 2 reaches past 2 alone, where its draft
+    stops early (max_speculative_tokens; the adaptive policy's tests check that a batch
+    does not)."""
     clipped = pr.AcceptanceTable(2, table.prompt_lens, [[min(2, x) for x in row] for row in table.matches],
                                  [[c[:2] for c in row] for row in table.confidence])
-    wide = pr.replay_batch(SpeculationPolicy("static", 2), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
-    narrow = pr.replay_batch(SpeculationPolicy("static", 2), clipped, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    wide = pr.replay_batch(StaticPolicy(2), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    narrow = pr.replay_batch(StaticPolicy(2), clipped, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert (wide.proposed, wide.accepted, wide.steps) == (narrow.proposed, narrow.accepted, narrow.steps)
-    alone = [pr.replay_batch(pr.policy_factory({"k_max": 2, "alone_k_max": 4})(), table, 1, TOKENS,
+    alone = [pr.replay_batch(pr.policy_factory({"k": 2, "max_speculative_tokens": 4})(), table, 1, TOKENS,
                              pr.StepSurface(), random.Random(0), first=i) for i in range(3)]
     assert any(run.proposed[0] > 2 * run.steps for run in alone)
 
@@ -64,7 +69,7 @@ def test_policies_keep_within_their_own_k_on_a_wider_table(table):
 def test_plain_decoding_replays_one_token_per_step_and_is_deterministic_per_seed(table):
     plain = pr.replay_batch(None, table, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert plain.steps == TOKENS and plain.proposed == [0, 0, 0]
-    factories = {"adaptive": pr.policy_factory({"k_max": 4}), "none": lambda: None}
+    factories = {"adaptive": pr.policy_factory({"k": 4}), "none": lambda: None}
     a = pr.replay_bench(factories, table, [1, 3], TOKENS, repeats=2, seeds=2, surface=pr.StepSurface(), noise=0.05)
     b = pr.replay_bench(factories, table, [1, 3], TOKENS, repeats=2, seeds=2, surface=pr.StepSurface(), noise=0.05)
     assert a == b and all(len(v) == 4 and min(v) > 0 for v in a.values())
@@ -75,8 +80,10 @@ def test_plain_decoding_replays_one_token_per_step_and_is_deterministic_per_seed
 
 
 def test_variants_set_the_policys_fields_and_its_components():
-    pol = pr.policy_factory({"k_max": 3, "explore_levels_every": 32, "levels.prior_steps": 5.0})()
-    assert (pol.k_max, pol.explore_levels_every, pol.levels.prior_steps) == (3, 32, 5.0)
+    pol = pr.policy_factory({"k": 3, "explore_levels_every": 32, "levels.prior_steps": 5.0})()
+    assert (pol.config.k, pol.config.explore_levels_every, pol.levels.prior_steps) == (3, 32, 5.0)
+    with pytest.raises(TypeError, match="nonsense"):
+        pr.policy_factory({"nonsense": 1})
     with pytest.raises(ValueError, match="levels has no field 'nonsense'"):
         pr.policy_factory({"levels.nonsense": 1})()
 
@@ -89,10 +96,10 @@ def test_rotated_rounds_serve_the_next_prompts():
     # Prompt 0's draft is always right, prompt 1's never: which one a batch of 1 serves
     # shows in its step count.
     table = pr.AcceptanceTable(4, [10, 10], [[4] * TOKENS, [0] * TOKENS])
-    steps = [pr.replay_batch(SpeculationPolicy("static", 4), table, 1, TOKENS, pr.StepSurface(), random.Random(0),
+    steps = [pr.replay_batch(StaticPolicy(4), table, 1, TOKENS, pr.StepSurface(), random.Random(0),
                              noise=0.0, first=first).steps for first in (0, 1, 2)]
     assert steps == [5, TOKENS, 5]                        # 4 + 1 per step until the cap; wraps around
-    factories = {"static": lambda: SpeculationPolicy("static", 4)}
+    factories = {"static": lambda: StaticPolicy(4)}
     kw = dict(batch_sizes=[1], max_tokens=TOKENS, repeats=2, seeds=1, surface=pr.StepSurface(), noise=0.0)
     same = pr.replay_bench(factories, table, **kw)[(1, "static")]
     rotated = pr.replay_bench(factories, table, rotate=True, **kw)[(1, "static")]
@@ -121,7 +128,7 @@ def test_drift_slows_every_kind_of_step_alike_in_spells_shared_by_a_rounds_polic
     slowed = pr.replay_batch(None, table_of(2), 1, TOKENS, surface, random.Random(0), noise=0.0,
                              drift=pr.Drift(0.3, period=10 * TOKENS, seed=7))
     assert still.tokens_per_s / slowed.tokens_per_s == pytest.approx(pr.Drift(0.3, 10 * TOKENS, 7).factor())
-    factories = {"adaptive": pr.policy_factory({"k_max": 4}), "none": lambda: None}
+    factories = {"adaptive": pr.policy_factory({"k": 4}), "none": lambda: None}
     drifting = pr.replay_bench(factories, table_of(2), [1], TOKENS, repeats=2, seeds=1, surface=surface, noise=0.0,
                                drift=0.3)
     assert drifting != pr.replay_bench(factories, table_of(2), [1], TOKENS, repeats=2, seeds=1, surface=surface,
@@ -166,6 +173,10 @@ def test_the_table_holds_the_drafts_probability_of_each_token_it_proposed(table)
                 ctx.append(int(probs.argmax()))
 
 
+def floor_policy(floor: float, raw: bool) -> FixedFloorPolicy:
+    return FixedFloorPolicy(4, floor, calibration=None if raw else ConfidenceCalibration())
+
+
 @pytest.mark.parametrize("raw", [True, False])
 def test_replayed_early_stops_propose_and_accept_what_specray_did(table, raw):
     from specray.config import RuntimeConfig
@@ -176,16 +187,16 @@ def test_replayed_early_stops_propose_and_accept_what_specray_did(table, raw):
     drv = DriverCore(RuntimeConfig(target=TARGET, draft=DRAFT, num_speculative_tokens=4, device="cpu",
                                    dtype="float32", speculation_policy="adaptive", max_num_seqs=3), backend="local")
     try:
-        drv.scheduler.policy = FixedFloorPolicy(4, floor, raw=raw)
+        drv.scheduler.policy = floor_policy(floor, raw)
         params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
         outs = drv.wait(drv.submit(held_out_prompts(3), [params] * 3).request_ids, timeout=600)
         stopped = drv.metrics()["num_stopped_proposals"]
     finally:
         drv.shutdown()
-    run = pr.replay_batch(FixedFloorPolicy(4, floor, raw=raw), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    run = pr.replay_batch(floor_policy(floor, raw), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert (run.proposed, run.accepted) == ([o.num_draft_tokens for o in outs], [o.num_accepted_tokens for o in outs])
     # The floor did stop drafts, in both.
-    static = pr.replay_batch(SpeculationPolicy("static", 4), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
+    static = pr.replay_batch(StaticPolicy(4), table, 3, TOKENS, pr.StepSurface(), random.Random(0))
     assert stopped > 0 and sum(run.proposed) < sum(static.proposed)
 
 

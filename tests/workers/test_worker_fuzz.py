@@ -21,9 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
+from specray.engine import Engine, LocalCall
+from specray.scheduler.config import CacheConfig
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.scheduler.sequence import Sequence
 from specray.workers.draft_worker import DraftWorker
@@ -84,10 +85,20 @@ def prompts():
 
 
 def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
-    """The engine's step loop over in-process workers, every message through the codec."""
-    sched = Scheduler(SchedulerConfig(num_speculative_tokens=K, target_max_len=MAX_LEN, draft_max_len=128,
-                                      max_num_seqs=MAX_SEQS),
+    """The real engine's step loop over in-process workers, every message through the codec."""
+    sched = Scheduler(SchedulerConfig(target_max_len=MAX_LEN, max_speculative_tokens=K, draft_max_len=128,
+                                      cache=CacheConfig(block_size=BLOCK, max_num_seqs=MAX_SEQS)),
                       BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK))
+
+    def propose(plan):
+        props, probs = draft.propose(decode(encode(plan), StepPlan))
+        return decode(encode(props), Proposals), probs
+
+    def verify(plan, probs):
+        between("in flight")
+        return decode(encode(target.verify(decode(encode(plan), StepPlan), *probs)), StepResult)
+
+    engine = Engine(sched, [LocalCall(verify)], [LocalCall(propose)])
     seqs = []
     for sid, toks in prompts().items():
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9 if sid == SAMPLED else 0.0, top_k=20)
@@ -95,22 +106,7 @@ def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
                              params=params, seed=4321 + sid))
         sched.add(seqs[-1])
     while sched.has_work:
-        step = sched.schedule()
-        assert step is not None
-        shards = []
-        for plan in step.draft_plans:
-            if plan is not None:
-                props, probs = draft.propose(decode(encode(plan), StepPlan))
-                shards.append((decode(encode(props), Proposals), probs))
-        between("in flight")
-        plan = step.target_plans[0]
-        probs = []
-        if shards and plan.seq_ids:
-            used = [(p, h) for p, h in shards if set(plan.seq_ids).intersection(p.seq_ids)]
-            sched.attach_proposals(step, 0, merge_proposals(plan.seq_ids, plan.k, [p for p, _ in used]))
-            probs = [h for p, h in used if p.has_probs]
-        result = decode(encode(target.verify(decode(encode(plan), StepPlan), *probs)), StepResult)
-        sched.update(step, [result])
+        assert engine.step()
         between("between steps")
     assert sched.stats.num_preemptions > 0                 # the recompute path ran too
     return {s.seq_id: s.output_tokens for s in seqs}

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from specray.scheduler.acceptance import AcceptanceEstimate
-from specray.scheduler.goodput_switch import GoodputSwitch
-from specray.scheduler.speculation_policy import SpeculationPolicy
-from specray.scheduler.step_cost import StepCostModel
+from specray.scheduler.adaptive.acceptance import AcceptanceEstimate
+from specray.scheduler.adaptive.goodput_switch import GoodputSwitch
+from specray.scheduler.adaptive.config import AdaptiveConfig
+from specray.scheduler.adaptive.policy import AdaptivePolicy
+from specray.scheduler.adaptive.step_cost import StepCostModel
 
 
 def cheap_speculation() -> StepCostModel:
@@ -144,7 +145,7 @@ def test_a_trial_step_the_switch_never_sees_does_not_keep_it_on_trial():
 
 
 def test_policy_turns_speculation_off_where_the_switch_measured_it_slower():
-    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    pol = AdaptivePolicy(AdaptiveConfig(k=4), cost=cheap_speculation())
     assert sum(pol.choose([4] * 32, [AcceptanceEstimate(accepted=9, rejected=1)] * 32, 32)) > 0
     # Measured: at batch 32 a speculating step takes eight times a plain one, where the
     # model prices them about alike.
@@ -159,7 +160,7 @@ def test_policy_turns_speculation_off_where_the_switch_measured_it_slower():
 
 
 def test_only_decode_steps_of_the_chosen_batch_feed_the_switch():
-    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    pol = AdaptivePolicy(AdaptiveConfig(k=4), cost=cheap_speculation())
     good = [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(4)]
     pol.choose([4] * 4, good, 400)
     pol.observe_step(4, 400, 8, 12, 0.5)        # a prompt's prefill rode along: not a decode step
@@ -173,10 +174,6 @@ def test_only_decode_steps_of_the_chosen_batch_feed_the_switch():
     pol.observe_step(4, 4, sum(ks), 12, 0.5)
     ((seconds, expected_s, steps),) = pol.switch._sums.values()
     assert (seconds, steps) == (0.5, 1) and 0 < expected_s < 0.5
-    static = SpeculationPolicy("static", k_max=4)
-    static.choose([4] * 4, good, 4)
-    static.observe_step(4, 4, 8, 12, 0.5)
-    assert static.switch._sums == {}
 
 
 def test_steps_priced_before_their_batch_size_was_measured_do_not_feed_the_switch():
@@ -184,7 +181,7 @@ def test_steps_priced_before_their_batch_size_was_measured_do_not_feed_the_switc
     # off several times over (5 ms predicted for a 24 ms step at batch 32 in the bench).
     # A correction made of those ratios would outlive the error: the cost model fixes
     # itself from the same steps, and the switch's sums would keep the stale ratio.
-    pol = SpeculationPolicy("adaptive", k_max=4)
+    pol = AdaptivePolicy(AdaptiveConfig(k=4))
     good = [AcceptanceEstimate(accepted=9, rejected=1) for _ in range(32)]
     fed_steps = 0
     while not pol.cost.fitted(32, speculating=False):
@@ -207,7 +204,7 @@ def test_steps_priced_before_their_batch_size_was_measured_do_not_feed_the_switc
 def test_the_switch_judges_step_times_not_what_the_sequences_emit():
     # The last sequences of a drained batch emit far less than even their own estimates
     # expect; that is the estimates' business, not evidence against speculating at batch 1.
-    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    pol = AdaptivePolicy(AdaptiveConfig(k=4), cost=cheap_speculation())
     hard = AcceptanceEstimate(accepted=9, rejected=1)
     for _ in range(10):
         ks = pol.choose([4], [hard], 1)
@@ -221,7 +218,7 @@ def test_the_switch_judges_step_times_not_what_the_sequences_emit():
 def test_a_step_where_the_draft_catches_up_counts_at_its_steady_time():
     # After a stretch of plain decoding the draft is fed everything it skipped: paid once,
     # not a property of speculating. Its price comes off the step's time.
-    pol = SpeculationPolicy("adaptive", k_max=4, cost=cheap_speculation())
+    pol = AdaptivePolicy(AdaptiveConfig(k=4), cost=cheap_speculation())
     pol.cost.draft.set_weights([1e-5, 1e-6, 2e-4, 0.0])               # 0.2 ms per token fed
     ks = pol.choose([4], [AcceptanceEstimate(accepted=9, rejected=1)], 1)
     price = pol._expected[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specray.scheduler.outcome_sums import OutcomeSums
+from specray.scheduler.adaptive.outcome_sums import OutcomeSums
 
 
 def test_ratio_is_predicted_over_measured_time_once_enough_steps_are_in():

@@ -3,7 +3,7 @@ and what a step costs."""
 
 from __future__ import annotations
 
-from specray.scheduler.step_cost import StepPrice
+from specray.scheduler.adaptive.step_cost import StepPrice
 
 
 class LevelChoices:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specray.scheduler.outcome_sums import OutcomeSums
-from specray.scheduler.step_cost import batch_bucket
+from specray.scheduler.adaptive.outcome_sums import OutcomeSums
+from specray.scheduler.adaptive.step_cost import batch_bucket
 
 
 @dataclass

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from specray.scheduler.level_choice import LevelChoices
-from specray.scheduler.step_cost import StepPrice
+from specray.scheduler.adaptive.level_choice import LevelChoices
+from specray.scheduler.adaptive.step_cost import StepPrice
 
 
 def _rate(gains, ks, price) -> float:

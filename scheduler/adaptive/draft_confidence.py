@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specray.scheduler.messages import REACH_BINS
+from specray.scheduler.messages import REACH_BINS, decile
 
 
 @dataclass
@@ -45,7 +45,3 @@ class ConfidenceCalibration:
         return [(a + w * (b + 0.5) / REACH_BINS) / (n + w)
                 for b, (a, n) in enumerate(zip(self._accepted, self._looked))]
 
-
-def decile(probability: float) -> int:
-    """The reach map's bin of a draft probability, as the draft worker computes it."""
-    return min(max(int(probability * REACH_BINS), 0), REACH_BINS - 1)

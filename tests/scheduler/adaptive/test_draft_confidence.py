@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specray.scheduler.draft_confidence import ConfidenceCalibration, decile
+from specray.scheduler.adaptive.draft_confidence import ConfidenceCalibration, decile
 from specray.scheduler.messages import REACH_BINS
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import random
 
-from specray.scheduler.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
+from specray.scheduler.adaptive.acceptance import AcceptanceEstimate, DepthCalibration, RateSpread
 
 
 def test_acceptance_estimate_counts_a_truncated_run_as_one_rejection():

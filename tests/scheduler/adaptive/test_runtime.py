@@ -1,9 +1,10 @@
-"""Adaptive speculation on real models: k_i climbs to k_max when the draft is always
+"""Adaptive speculation on real models: k_i climbs to k when the draft is always
 right, falls to 0 (with probes) when it is never right, and greedy output never changes.
 (The metrics on Ray's metrics API are checked in test_client.py, on its runtime.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -11,7 +12,7 @@ from specray_testing import hf_greedy
 from specray.config import RuntimeConfig
 from specray.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
-from specray.scheduler.step_cost import StepCostModel
+from specray.scheduler.adaptive.step_cost import StepCostModel
 
 K = 4
 
@@ -37,9 +38,9 @@ def run_spying(cfg, prompts, max_tokens, cost=None):
     ks_per_step: list[list[int]] = []
     orig = drv.scheduler.update
 
-    def spy(step, results, seconds=0.0):
-        ks_per_step.append([s.step_k for s in step.seqs])
-        return orig(step, results, seconds)
+    def spy(outcome):
+        ks_per_step.append([s.proposal_len for s in outcome.step.seqs])
+        return orig(outcome)
 
     drv.scheduler.update = spy
     try:
@@ -54,14 +55,14 @@ def prompts():
     return [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 6, 10, 15)]
 
 
-def test_identical_draft_climbs_to_k_max(llama_pair):
+def test_identical_draft_climbs_to_k(llama_pair):
     t, _ = llama_pair
     cfg = RuntimeConfig(target=t, draft=t, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
                         speculation_policy="adaptive")
     outs, ks, m = run_spying(cfg, prompts(), 40, cheap_draft_cost())
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 40)
     assert m["acceptance_rate"] == 1.0
-    # After a few steps every sequence proposes k_max (until max_tokens caps it at the end).
+    # After a few steps every sequence proposes k (until max_tokens caps it at the end).
     assert all(k == K for step in ks[3:6] for k in step)
 
 
@@ -105,3 +106,28 @@ def test_learned_cost_model_keeps_output_exact(llama_pair):
     outs, ks, m = run_spying(cfg, prompts(), 30)
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 30)
     assert len(m["acceptance_by_position"]) >= 1 and m["mean_verify_s"] > 0
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_requests_alone_stop_their_drafts_early_and_stay_exact(llama_pair, early_stop):
+    """``draft_early_stop`` (the default): a request alone in the batch gets a floor from
+    the adaptive policy's cost model, the real draft worker stops there and reports its
+    probabilities; outputs stay transformers' greedy ones. Off, nothing is reported."""
+    t, d = llama_pair
+    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu",
+                                   dtype="float32", speculation_policy="adaptive", draft_early_stop=early_stop),
+                     backend="local")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    try:
+        outs = [drv.wait(drv.submit([p], [params]).request_ids, timeout=300)[0] for p in prompts]
+        policy = drv.scheduler.policy
+        info, m = drv.info(), drv.metrics()
+    finally:
+        drv.shutdown()
+    assert [o.token_ids for o in outs] == hf_greedy(t, prompts, 40)
+    assert policy.config.stop_early is early_stop
+    assert (policy.confidence.observations > 0) is early_stop
+    # Alone with stops, a request may propose past num_speculative_tokens (twice it by
+    # default; test_adaptive.py checks that it does).
+    assert info["max_speculative_tokens"] == m["max_speculative_tokens"] == (8 if early_stop else 4)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specray.scheduler.acceptance import AcceptanceEstimate
-from specray.scheduler.level_correction import LevelCorrection
-from specray.scheduler.speculation_policy import SpeculationPolicy
-from specray.scheduler.step_cost import StepCostModel
+from specray.scheduler.adaptive.acceptance import AcceptanceEstimate
+from specray.scheduler.adaptive.level_correction import LevelCorrection
+from specray.scheduler.adaptive.config import AdaptiveConfig
+from specray.scheduler.adaptive.policy import AdaptivePolicy
+from specray.scheduler.adaptive.step_cost import StepCostModel
 
 
 def test_levels_keep_the_models_figure_until_two_are_measured():
@@ -90,7 +91,7 @@ def _cost() -> StepCostModel:
     return c
 
 
-def _run(policy: SpeculationPolicy, steps: int, cheap_level: int) -> list[int]:
+def _run(policy: AdaptivePolicy, steps: int, cheap_level: int) -> list[int]:
     """Decode steps of 4 sequences that take the time the model prices them at, except at
     ``cheap_level``, whose steps take 0.6 of it (the model's split of the draft's cost
     overprices that level)."""
@@ -106,11 +107,11 @@ def _run(policy: SpeculationPolicy, steps: int, cheap_level: int) -> list[int]:
 
 def test_the_policy_moves_to_a_level_that_runs_faster_than_the_model_prices_it():
     # The model rates level 2 best for these sequences (see the level-trial test in
-    # test_speculation_policy); level 3 is tried every 4th step and, on this machine,
+    # the adaptive policy's tests); level 3 is tried every 4th step and, on this machine,
     # always takes 0.6 of its price.
-    def policy(**kw) -> SpeculationPolicy:
-        p = SpeculationPolicy("adaptive", 4, probe_interval=10**9, explore_levels_every=4, cost=_cost(),
-                              overall=AcceptanceEstimate(accepted=80, rejected=20), **kw)
+    def policy(**kw) -> AdaptivePolicy:
+        p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=4), cost=_cost(),
+                           overall=AcceptanceEstimate(accepted=80, rejected=20), **kw)
         p.switch.explore_every = 10**9
         return p
 

@@ -1,0 +1,19 @@
+"""Which speculation policy a runtime runs, by its configured name."""
+
+from __future__ import annotations
+
+from specray.scheduler.config import SpeculationConfig
+from specray.scheduler.speculation_policy import SpeculationPolicy, StaticPolicy
+
+
+def build_policy(spec: SpeculationConfig) -> SpeculationPolicy:
+    if spec.speculation_policy == "static":
+        return StaticPolicy(spec.k, spec.disable_by_batch_size)
+    if spec.speculation_policy == "adaptive":
+        try:
+            from specray.scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
+        except ImportError as e:
+            raise ValueError("speculation_policy='adaptive' needs the specray.scheduler.adaptive package, "
+                             f"which is not installed ({e})") from None
+        return AdaptivePolicy(AdaptiveConfig.of(spec, **spec.policy_options))
+    raise ValueError(f"unknown speculation_policy {spec.speculation_policy!r}")

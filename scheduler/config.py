@@ -1,0 +1,121 @@
+"""The configuration sections the scheduler reads: the KV cache and batch limits, and
+speculation. Plain frozen dataclasses that validate themselves; ``specray.RuntimeConfig``
+composes them with the model and cluster sections and hands each layer its section whole.
+
+Each field's ``metadata["help"]`` is its documentation, and the CLI builds its flags and
+their defaults from the fields (``specray.config_flags``), so no default is restated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROPOSERS = ("draft", "ngram", "none")
+POLICIES = ("static", "adaptive")
+
+
+def check_int(name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_number(name: str, value, positive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and batch limits, shared by the scheduler and every worker."""
+
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV blocks per worker (default: enough for max_num_seqs at full length, within memory)"})
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step, at most"})
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "prefill budget per step for newly admitted requests"})
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            check_int("num_kv_blocks", self.num_kv_blocks)
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """What proposes and how many tokens. ``num_speculative_tokens`` (k) is the most a
+    sequence proposes in a batch; ``max_speculative_tokens`` the most any step proposes
+    (the lookahead slots the scheduler reserves): k, except for the adaptive policy whose
+    draft stops early, where a request alone may reach twice k by default. ``k`` and
+    ``lookahead`` are the two in force (0 with ``proposer="none"``)."""
+
+    proposer: str = field(default="draft", metadata={
+        "help": "draft model, n-gram prompt lookup, or none (plain decoding)", "choices": PROPOSERS})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "k: tokens a sequence proposes per step", "flags": ("-k", "--num-speculative-tokens")})
+    max_speculative_tokens: int | None = field(default=None, metadata={
+        "help": "with --policy adaptive: a request alone proposes up to this many, its draft stopping "
+                "early (default: twice k)"})
+    speculation_policy: str = field(default="static", metadata={
+        "help": "fixed k, or per-sequence k_i chosen for goodput", "choices": POLICIES,
+        "flags": ("--policy", "--speculation-policy")})
+    disable_by_batch_size: int | None = field(default=None, metadata={
+        "help": "no speculation once this many sequences run"})
+    draft_early_stop: bool = field(default=True, metadata={
+        "help": "with --policy adaptive: a request alone's draft stops where a proposal stops paying"})
+    policy_options: dict = field(default_factory=dict, metadata={
+        "help": "the policy's own settings, JSON (adaptive: AdaptiveConfig fields, e.g. '{\"probes\": false}')"})
+    ngram_max: int = field(default=3, metadata={"help": "longest n-gram the prompt lookup matches"})
+    ngram_min: int = field(default=1, metadata={"help": "shortest n-gram the prompt lookup matches"})
+
+    def __post_init__(self) -> None:
+        check_choice("proposer", self.proposer, PROPOSERS)
+        check_choice("speculation_policy", self.speculation_policy, POLICIES)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0 if self.proposer == "none" else 1)
+        check_bool("draft_early_stop", self.draft_early_stop)
+        if not isinstance(self.policy_options, dict) or not all(isinstance(k, str) for k in self.policy_options):
+            raise ValueError(f"policy_options must map option names to values, got {self.policy_options!r}")
+        if self.policy_options and self.speculation_policy == "static":
+            raise ValueError(f"policy_options: the static policy has no options, got {sorted(self.policy_options)}")
+        if self.disable_by_batch_size is not None:
+            check_int("disable_by_batch_size", self.disable_by_batch_size)
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_speculative_tokens is not None:
+            check_int("max_speculative_tokens", self.max_speculative_tokens)
+            if not self.stops_early:
+                raise ValueError("max_speculative_tokens applies to speculation_policy='adaptive' with "
+                                 "proposer='draft' and draft_early_stop=True (a draft that stops early)")
+            if self.max_speculative_tokens < self.num_speculative_tokens:
+                raise ValueError(f"max_speculative_tokens {self.max_speculative_tokens} must be >= "
+                                 f"num_speculative_tokens {self.num_speculative_tokens}")
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether a request alone has a draft that stops early (and may reach past k)."""
+        return self.speculation_policy == "adaptive" and self.proposer == "draft" and self.draft_early_stop
+
+    @property
+    def k(self) -> int:
+        """``num_speculative_tokens`` in force: 0 without a proposer."""
+        return 0 if self.proposer == "none" else self.num_speculative_tokens
+
+    @property
+    def lookahead(self) -> int:
+        """``max_speculative_tokens`` in force: the most any step proposes."""
+        if not self.stops_early:
+            return self.k
+        return self.max_speculative_tokens or 2 * self.num_speculative_tokens
