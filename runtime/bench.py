@@ -517,32 +517,34 @@ def _policy(r: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    head = f"{'system':8} {'proposer':9} {'policy':8} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
+    w = max([8] + [len(_policy(r)) for r in result["runs"]])        # the policy column, variants included
+    a = max([14] + [len(p["against"]) for p in result.get("paired", [])])
+    head = f"{'system':8} {'proposer':9} {'policy':{w}} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
-        lines.append(f"{r['system']:8} {r['proposer']:9} {_policy(r):8} {r['mode']:8} {r['batch_size']:>5} "
+        lines.append(f"{r['system']:8} {r['proposer']:9} {_policy(r):{w}} {r['mode']:8} {r['batch_size']:>5} "
                      f"{r['tokens_per_s']:>10.1f} {spread:>17} {acc:>7} {mal:>8}")
     lines.append("")
     lines.append("per step, ms (draft and verify: the workers' own compute; overhead: the rest of the step)")
     names = [*PHASES, "overhead", "step"]
-    head = f"{'proposer':9} {'policy':8} {'batch':>5} " + " ".join(f"{n:>9}" for n in names)
+    head = f"{'proposer':9} {'policy':{w}} {'batch':>5} " + " ".join(f"{n:>9}" for n in names)
     lines += [head, "-" * len(head)]
     for r in result["runs"]:
         if r["step_ms"] and r["mode"] == "greedy":
-            lines.append(f"{r['proposer']:9} {_policy(r):8} {r['batch_size']:>5} "
+            lines.append(f"{r['proposer']:9} {_policy(r):{w}} {r['batch_size']:>5} "
                          + " ".join(f"{r['step_ms'][n]:>9.3f}" for n in names))
     if result.get("paired"):
         lines.append("")
         lines.append("draft runs over others, tokens/s ratio within each repeat (median, min-max, "
                      "geometric mean and its 95 % interval)")
-        head = f"{'policy':8} {'batch':>5} {'against':>14} {'ratio':>6} {'spread':>11} {'geomean':>8} {'95 %':>11}"
+        head = f"{'policy':{w}} {'batch':>5} {'against':>{a}} {'ratio':>6} {'spread':>11} {'geomean':>8} {'95 %':>11}"
         lines += [head, "-" * len(head)]
         for p in result["paired"]:
             ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
-            lines.append(f"{_policy(p):8} {p['batch_size']:>5} {p['against']:>14} {p['median']:>6.3f} "
+            lines.append(f"{_policy(p):{w}} {p['batch_size']:>5} {p['against']:>{a}} {p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
     lines.append("")
     lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "

@@ -53,9 +53,9 @@ def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> Merg
             if shard.confidence and length:
                 confidence[sid] = shard.confidence[r * k:r * k + length]
             if shard.has_probs and length:
-                rows[i] = row_offset + r
+                rows[i] = row_offset + (shard.prob_rows[r] if shard.prob_rows else r)
         if shard.has_probs:
-            row_offset += len(shard.seq_ids)
+            row_offset += shard.num_prob_rows or len(shard.seq_ids)
     return MergedProposals(tokens, lens, rows, confidence)
 
 

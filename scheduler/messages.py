@@ -131,10 +131,18 @@ class Proposals:
     proposal_lens: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
     confidence: list[float] = _packed("d")
+    # Where each sequence's draft probabilities sit in the probabilities sent with these
+    # proposals (empty: row i is sequence i's) and how many rows those hold (0: n): a
+    # window taken from a pre-draft points into the pre-draft's rows.
+    prob_rows: list[int] = _packed("i")
+    num_prob_rows: int = _scalar(int, 0)
 
     def validate(self) -> None:
         n = len(self.seq_ids)
         _expect(self.k >= 0, f"Proposals.k must be >= 0, got {self.k}")
+        _expect(len(self.prob_rows) in (0, n), "Proposals.prob_rows does not match seq_ids")
+        _expect(all(0 <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
+                "Proposals.prob_rows outside the probabilities' rows")
         _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
         _expect(len(self.token_ids) == n * self.k,
                 f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
@@ -163,7 +171,50 @@ class StepResult:
         _expect(0.0 <= self.compute_s < float("inf"), "StepResult.compute_s must be finite and >= 0")
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (StepPlan, Proposals, StepResult)}
+@dataclass
+class Predraft:
+    """Windows a draft worker drafted ahead, while the target verified the window it had
+    just proposed: one branch per likely outcome of that verification. Branch ``b`` is for
+    sequence ``seq_ids[b]`` and holds if the sequence's next draft plan has
+    ``num_computed == base[b]`` and feeds exactly its ``fed_lens[b]`` tokens of
+    ``fed_token_ids`` (the accepted proposals' tail and a guess of the target's next token);
+    its ``proposal_lens[b]`` proposals are then the ones the draft would make there
+    (``token_ids`` and ``confidence``: ``[B, k]`` flattened, -1 and 0 padded). When
+    ``has_probs``, the draft probabilities travel beside it as one ``[B, k, V]`` tensor."""
+
+    step_id: int = _scalar(int, 0)
+    k: int = _scalar(int, 0)
+    has_probs: bool = _scalar(bool, False)
+    compute_s: float = _scalar(float, 0.0)
+    seq_ids: list[int] = _packed("q")
+    base: list[int] = _packed("i")
+    fed_lens: list[int] = _packed("i")
+    fed_token_ids: list[int] = _packed("i")
+    proposal_lens: list[int] = _packed("i")
+    token_ids: list[int] = _packed("i")
+    confidence: list[float] = _packed("d")
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.seq_ids)
+
+    def validate(self) -> None:
+        b = len(self.seq_ids)
+        _expect(self.k >= 0, f"Predraft.k must be >= 0, got {self.k}")
+        for name in ("base", "fed_lens", "proposal_lens"):
+            _expect(len(getattr(self, name)) == b, f"Predraft.{name} has {len(getattr(self, name))} entries for {b}")
+        _expect(all(x >= 1 for x in self.fed_lens), "Predraft.fed_lens must be >= 1")
+        _expect(sum(self.fed_lens) == len(self.fed_token_ids), "Predraft.fed_token_ids does not match fed_lens")
+        _expect(all(x >= 0 for x in self.base), "Predraft.base is negative")
+        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Predraft.proposal_lens outside [0, k]")
+        _expect(len(self.token_ids) == b * self.k, f"Predraft.token_ids has {len(self.token_ids)} entries, "
+                                                   f"expected {b * self.k}")
+        _expect(len(self.confidence) in (0, b * self.k), "Predraft.confidence does not match token_ids")
+        _expect(all(0.0 <= x <= 1.0 for x in self.confidence), "Predraft.confidence must be in [0, 1]")
+        _expect(0.0 <= self.compute_s < float("inf"), "Predraft.compute_s must be finite and >= 0")
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (StepPlan, Proposals, StepResult, Predraft)}
 _LITTLE = sys.byteorder == "little"
 
 

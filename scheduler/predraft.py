@@ -1,0 +1,79 @@
+"""Taking a step's proposals from a pre-draft: which branch holds for each sequence, and
+the window it gives.
+
+While the target verifies window t, a draft worker drafts window t+1 from the few most
+likely outcomes of that verification (``Predraft``: one branch per outcome). Once the
+verdict is in and the next step is planned, a sequence's branch holds when the draft
+plan's ``num_computed`` and fed tokens are exactly the ones the branch assumed: its
+proposals were then drafted on the prefix the target actually emitted, so taking them is
+the same as drafting them now (exactness needs nothing more). A step takes pre-drafted
+proposals only when every drafting sequence of a draft worker has a branch that holds;
+otherwise that worker drafts as it would without pre-drafts.
+
+A draft told to stop early (``StepPlan.min_reach``) stops where ``stop_len`` says: the
+rule the draft worker applies pass by pass, here applied to a branch drafted in full.
+"""
+
+from __future__ import annotations
+
+from specray.scheduler.messages import Predraft, Proposals, StepPlan, decile
+
+
+def stop_len(confidence: list[float], planned: int, floor: float, reach_map: list[float]) -> int:
+    """How many of ``planned`` proposals a draft makes when it stops once the product of
+    its proposals' calibrated probabilities falls below ``floor`` (keeping the proposal
+    that crossed it). ``floor`` 0: all of them."""
+    if floor <= 0.0:
+        return planned
+    reach = 1.0
+    for p in range(planned - 1):
+        c = min(max(confidence[p], 0.0), 1.0)
+        reach *= reach_map[decile(c)] if reach_map else c
+        if reach < floor:
+            return p + 1
+    return planned
+
+
+def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
+    """For each sequence of the draft ``plan``, the branch of ``pre`` that holds (None when
+    any sequence has none: the plan is then drafted as usual)."""
+    if not plan.seq_ids:
+        return None
+    offsets, pos = [], 0
+    for n in pre.fed_lens:
+        offsets.append(pos)
+        pos += n
+    by_key: dict[tuple, int] = {}
+    for b, sid in enumerate(pre.seq_ids):
+        fed = tuple(pre.fed_token_ids[offsets[b]:offsets[b] + pre.fed_lens[b]])
+        by_key.setdefault((sid, pre.base[b], fed), b)
+    chosen, pos = [], 0
+    for i, sid in enumerate(plan.seq_ids):
+        fed = tuple(plan.token_ids[pos:pos + plan.num_new[i]])
+        pos += plan.num_new[i]
+        b = by_key.get((sid, plan.num_computed[i], fed))
+        if b is None or pre.proposal_lens[b] < plan.proposal_lens[i]:
+            return None
+        chosen.append(b)
+    return chosen
+
+
+def window(plan: StepPlan, pre: Predraft, chosen: list[int]) -> Proposals:
+    """The proposals the draft plan gets from its chosen branches: each sequence's first
+    ``proposal_lens[i]`` (fewer where it would stop early), in the plan's width, with its
+    probabilities' rows pointing into the pre-draft's."""
+    k, m = plan.k, pre.k
+    lens, tokens, confidence = [], [], []
+    for i, b in enumerate(chosen):
+        row = pre.token_ids[b * m:(b + 1) * m]
+        conf = pre.confidence[b * m:(b + 1) * m] if pre.confidence else [0.0] * m
+        n = plan.proposal_lens[i]
+        if plan.min_reach:
+            n = stop_len(conf, n, plan.min_reach[i], plan.reach_map)
+        lens.append(n)
+        tokens += row[:n] + [-1] * (k - n)
+        confidence += conf[:n] + [0.0] * (k - n)
+    return Proposals(step_id=plan.step_id, k=k, has_probs=pre.has_probs, seq_ids=list(plan.seq_ids),
+                     proposal_lens=lens, token_ids=tokens, confidence=confidence if plan.min_reach else [],
+                     prob_rows=list(chosen) if pre.has_probs else [],
+                     num_prob_rows=pre.num_branches if pre.has_probs else 0)
