@@ -222,11 +222,9 @@ class DriverCore:
         return seq, list(ids)
 
     def _tokenize(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        if tok.bos_token_id is not None and getattr(tok, "add_bos_token", True):
-            ids = [tok.bos_token_id] + ids
-        return ids
+        from specray.workers.model_loader import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
 
     def wait(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput] | None:
         """All outputs once every request has finished; None if the timeout passes first."""
