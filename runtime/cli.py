@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from specray import batch, serve
+from specray import batch, models_cli, serve
 from specray.cli_args import add_model_args, builtin_model, runtime_config
 
 def cmd_generate(args) -> int:
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench)
     serve.add_parser(sub)
     batch.add_parser(sub)
+    models_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
-BUILTIN_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
 def builtin_model(name: str) -> str | None:
-    """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), if present."""
-    path = BUILTIN_MODELS / name
-    return str(path) if (path / "config.json").exists() else None
+    """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), or None
+    where it is not installed (the commands then ask for ``--target``)."""
+    from specray.model_store import ModelNotFound
+    from specray.model_store import builtin_model as find
+
+    try:
+        return find(name)
+    except ModelNotFound:
+        return None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
