@@ -17,6 +17,7 @@ The cache root is ``$SPECRAY_CACHE``, else ``$XDG_CACHE_HOME/specray``, else
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -127,6 +128,9 @@ def fetch(name: str) -> str:
     if (final / MARKER).is_file():
         return str(final)
     gguf = gguf_file(src)
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelNotFound(f"converting {gguf.name} needs {' and '.join(missing)}: pip install 'specray[models]'")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}.", dir=final.parent))
     try:

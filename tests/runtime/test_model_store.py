@@ -136,3 +136,12 @@ def test_models_commands(cache, capsys):
     assert path in out and "not fetched" not in out
     assert main(["models", "fetch", "nothing"]) == 2
     assert "unknown model 'nothing'" in capsys.readouterr().err
+
+
+def test_a_conversion_without_its_libraries_says_what_to_install(cache, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(model_store.ModelNotFound, match=r"needs gguf: pip install 'specray\[models\]'"):
+        model_store.fetch("smollm2")
