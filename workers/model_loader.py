@@ -42,14 +42,19 @@ def resolve_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# The built-in pair's folder names: a path ending in one is never a hub id.
+_BUILTIN = ("tiny-target", "tiny-draft")
+
+
 def looks_local(path: str) -> bool:
     """Whether ``path`` can only mean a directory: it starts with ``.``, ``/`` or ``~``,
-    has more than one ``/`` (a hub id is ``owner/name`` or ``name``), or its parent folder
-    exists here (``models/tiny-target`` beside a ``models/`` folder)."""
+    has more than one ``/`` (a hub id is ``owner/name`` or ``name``), its parent folder
+    exists here (``models/tiny-target`` beside a ``models/`` folder), or it names a model
+    of the built-in pair."""
     if path.startswith((".", "/", "~", os.sep)) or path.count("/") > 1:
         return True
     parent = os.path.dirname(path)
-    return bool(parent) and os.path.isdir(parent)
+    return bool(parent) and os.path.isdir(parent) or os.path.basename(path.rstrip("/")) in _BUILTIN
 
 
 def resolve_model_path(path: str) -> str:
@@ -60,7 +65,9 @@ def resolve_model_path(path: str) -> str:
     if os.path.isdir(local):
         return local
     if looks_local(path):
-        raise ValueError(f"no such model directory: {local} (relative paths resolve from {os.getcwd()})")
+        name = os.path.basename(path.rstrip("/"))
+        hint = f"; specray.builtin_model({name!r}) gives the built-in model's path" if name in _BUILTIN else ""
+        raise ValueError(f"no such model directory: {local} (relative paths resolve from {os.getcwd()}){hint}")
     return path
 
 

@@ -55,7 +55,7 @@ def test_a_text_of_no_plain_tokens_keeps_the_bos(tmp_path):
 
 @pytest.mark.parametrize("name,local", [
     ("./nowhere", True), ("/abs/nowhere", True), ("~/nowhere", True), ("a/b/c", True),
-    ("Qwen/Qwen2.5-0.5B", False), ("gpt2", False),
+    ("models/tiny-target", True), ("tiny-draft", True), ("Qwen/Qwen2.5-0.5B", False), ("gpt2", False),
 ])
 def test_which_names_can_only_be_paths(name, local):
     assert looks_local(name) is local
@@ -66,21 +66,31 @@ def test_a_missing_relative_directory_is_named_absolutely(tmp_path, monkeypatch)
     own, but not the model: the error names where it looked, not a hub repository."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
-    for name in ("models/tiny-target", "./tiny-target", "a/b/c"):
+    for name in ("models/other", "./other", "a/b/c"):
         with pytest.raises(ValueError) as e:
             load_config(name)
         assert str(e.value) == (f"no such model directory: {os.path.abspath(name)} "
                                 f"(relative paths resolve from {tmp_path})")
 
 
+def test_the_builtin_pair_by_its_relative_path_elsewhere_points_at_builtin_model(tmp_path, monkeypatch):
+    # The README's example path, run outside the clone: no hub request, and a pointer.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        load_config("models/tiny-target")
+    assert str(e.value) == (f"no such model directory: {tmp_path / 'models' / 'tiny-target'} (relative paths "
+                            f"resolve from {tmp_path}); specray.builtin_model('tiny-target') gives the built-in "
+                            "model's path")
+
+
 def test_a_hub_looking_name_that_is_nowhere_says_both(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as e:
-        load_config("models/tiny-target")          # no models/ folder here: it may be a hub id
+        load_config("nobody-here/no-model")          # no nobody-here/ folder: it may be a hub id
     msg = str(e.value)
-    assert msg.startswith("cannot load a model config from 'models/tiny-target': it is neither a directory here "
-                          f"(relative paths resolve from {tmp_path}) nor a model the hub or its cache holds")
+    assert msg.startswith("cannot load a model config from 'nobody-here/no-model': it is neither a directory "
+                          f"here (relative paths resolve from {tmp_path}) nor a model the hub or its cache holds")
 
 
 def test_local_directories_resolve_to_absolute_paths(tmp_path, monkeypatch):
