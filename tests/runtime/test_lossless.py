@@ -165,7 +165,8 @@ def padded_drafts(tiny_vocab_pair, tmp_path_factory):
         sd = model.state_dict()
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             w = sd[name]
-            sd[name] = w[:dv].clone() if dv < V else torch.cat([w, w[:dv - V] * (3.0 if name == "lm_head.weight" else 1.0)])
+            scale = 3.0 if name == "lm_head.weight" else 1.0
+            sd[name] = w[:dv].clone() if dv < V else torch.cat([w, w[:dv - V] * scale])
         model.config.vocab_size = dv
         grown = LlamaForCausalLM(model.config)
         grown.load_state_dict(sd)

@@ -27,9 +27,9 @@ def test_a_missing_builtin_model_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setattr(model_store, "_HERE", tmp_path / "pkg")
     with pytest.raises(model_store.ModelNotFound) as e:
         model_store.builtin_model("tiny-target")
-    assert str(e.value) == (f"the built-in model 'tiny-target' is not installed (looked in "
-                            f"{tmp_path / 'pkg' / 'models' / 'tiny-target'} and {tmp_path / 'models' / 'tiny-target'}); "
-                            "reinstall specray, or pass the path of a model directory")
+    installed, clone = tmp_path / "pkg" / "models" / "tiny-target", tmp_path / "models" / "tiny-target"
+    assert str(e.value) == (f"the built-in model 'tiny-target' is not installed (looked in {installed} and "
+                            f"{clone}); reinstall specray, or pass the path of a model directory")
     # The CLI's defaults then ask for --target instead.
     from specray.cli_args import builtin_model
     assert builtin_model("tiny-target") is None
