@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "specray.request_output",
     "SamplingParams": "specray.scheduler.sampling_params",
     "Overloaded": "specray.driver",
+    "builtin_model": "specray.model_store",
 }
 
 __all__ = list(_EXPORTS)
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from specray.client import SpecRuntime
     from specray.config import RuntimeConfig
     from specray.driver import Overloaded
+    from specray.model_store import builtin_model
     from specray.request_output import RequestOutput
     from specray.scheduler.sampling_params import SamplingParams
 

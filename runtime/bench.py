@@ -4,6 +4,11 @@ All configurations run in one process, interleaved and repeated, so machine nois
 them alike; medians and the min-max spread are reported. Every greedy configuration must
 produce the same tokens for the same prompt, or the run fails: a benchmark of wrong
 outputs is worthless.
+
+Without a draft (a target alone, e.g. a real checkpoint with no smaller sibling) the bench
+compares specray's prompt lookup (n-gram) and plain decoding with Hugging Face's plain and
+prompt-lookup generation; the draft rows, assisted generation and the analytic bound need
+a draft and are left out.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from specray.workers.worker_config import ModelConfig
 @dataclass
 class BenchSettings:
     target: str
-    draft: str
+    draft: str | None                 # None: no draft runs (n-gram and plain decoding only)
     k: int = SpeculationConfig.num_speculative_tokens
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
@@ -49,6 +54,7 @@ class BenchSettings:
     # Adaptive policies with other options (name -> policy_options), run beside the
     # adaptive one at every batch size: each mechanism's worth, measured side by side.
     variants: dict[str, dict] = field(default_factory=dict)
+    prompt_set: str = "code"                  # bench_prompts.PROMPT_SETS
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
@@ -59,7 +65,7 @@ PHASES = {"schedule": "schedule_s", "draft": "draft_compute_s", "merge": "merge_
 @dataclass
 class Run:
     system: str                        # "specray" | "hf"
-    proposer: str                      # "draft" | "ngram" | "none" | "assisted"
+    proposer: str                      # "draft" | "ngram" | "none" | "assisted" | "lookup" (HF prompt lookup)
     batch_size: int
     mode: str = "greedy"               # "greedy" | "sampled"
     policy: str = "static"
@@ -135,7 +141,8 @@ def _strip(tokens: list[int], eos: set[int], pad: int | None) -> list[int]:
 
 
 class HFRunner:
-    """transformers' generate: the target alone (padded batches) and assisted generation."""
+    """transformers' generate: the target alone (padded batches), assisted generation (with
+    a draft) and prompt lookup (``prompt_lookup_num_tokens = k``, batch 1)."""
 
     def __init__(self, s: BenchSettings):
         from transformers import AutoModelForCausalLM
@@ -145,7 +152,8 @@ class HFRunner:
         self.device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, self.device, load_config(s.target))
         self.target = AutoModelForCausalLM.from_pretrained(s.target, dtype=dtype).to(self.device).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(s.draft, dtype=dtype).to(self.device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(s.draft, dtype=dtype).to(self.device).eval() \
+            if s.draft else None
         eos = self.target.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad = self.target.generation_config.pad_token_id
@@ -160,7 +168,7 @@ class HFRunner:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_tokens: int, assisted: bool, temperature: float,
-                 seed: int) -> tuple[list[list[int]], float, int]:
+                 seed: int, lookup: bool = False) -> tuple[list[list[int]], float, int]:
         n = len(prompts)
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad, dtype=torch.long)
@@ -179,6 +187,8 @@ class HFRunner:
             self.draft.generation_config.num_assistant_tokens_schedule = "constant"
             self.draft.generation_config.assistant_confidence_threshold = 0.0
             kw.update(assistant_model=self.draft)
+        if lookup:
+            kw.update(prompt_lookup_num_tokens=self.k)
         self.calls = 0
         _sync(self.device)
         t0 = time.perf_counter()
@@ -282,19 +292,20 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     from tqdm import tqdm
 
     from specray import SamplingParams
-    from specray.stdlib_corpus import held_out_prompts
+    from specray.bench_prompts import bench_prompts
     from specray.workers.model_loader import load_tokenizer
 
     # Ray runs actors single-threaded (OMP_NUM_THREADS=1); Hugging Face here gets the same.
     torch.set_num_threads(1)
     tok = load_tokenizer(s.target)
-    texts = held_out_prompts(max(s.batch_sizes) * (s.repeats if s.rotate_prompts else 1), s.prompt_bytes)
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompts = bench_prompts(s.prompt_set, max(s.batch_sizes) * (s.repeats if s.rotate_prompts else 1), tok,
+                            s.prompt_bytes)
     hf = HFRunner(s)
 
-    spec_configs = ([("draft", pol, None) for pol in s.policies] + [("ngram", "static", None), ("none", "static", None)]
-                    + [("draft", f"adaptive:{name}", None) for name in s.variants])
-    sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k]
+    drafts = ([("draft", pol, None) for pol in s.policies] + [("draft", f"adaptive:{name}", None) for name in s.variants]
+              if s.draft else [])
+    spec_configs = drafts + [("ngram", "static", None), ("none", "static", None)]
+    sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k] if s.draft else []
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
     lookahead = max(runtime_config(s, *c).lookahead for c in spec_configs + sweep)
     runtimes = _start_runtimes(s, spec_configs + sweep, max(map(len, prompts)) + s.max_tokens + lookahead + 1)
@@ -306,8 +317,10 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         for proposer, policy, k in spec_configs + (sweep if b == 1 else []):
             plan.append(("specray", proposer, b, "greedy", policy, k))
         plan.append(("hf", "none", b, "greedy", "static", None))
-    plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
-             ("specray", "draft", 1, "sampled", s.policies[0], None)]
+    plan.append(("hf", "lookup", 1, "greedy", "static", None))
+    if s.draft:
+        plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
+                 ("specray", "draft", 1, "sampled", s.policies[0], None)]
     runs = {key: Run(*key) for key in plan}
     check = OutputCheck()
     phase = {"draft_s": [], "verify_none_s": []}
@@ -349,8 +362,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                         if proposer == "none":
                             phase["verify_none_s"].append((after["verify_s"] - before["verify_s"]) / max(1, steps))
                 else:
-                    gen, dt, calls = hf.generate(batch, s.max_tokens, proposer == "assisted", temp, rep)
-                    if proposer == "assisted":
+                    gen, dt, calls = hf.generate(batch, s.max_tokens, proposer == "assisted", temp, rep,
+                                                 lookup=proposer == "lookup")
+                    if proposer in ("assisted", "lookup"):
                         # Each target call scores one round: emitted tokens per round.
                         run.emitted += len(gen[0])
                         run.seq_steps += max(1, calls - 1)
@@ -364,18 +378,20 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
             rt.shutdown()
 
     for run in runs.values():
-        # Assisted generation's acceptance is not observable from outside; its mean
-        # accepted length is tokens per target forward call.
+        # Assisted generation's and prompt lookup's acceptance is not observable from
+        # outside; their mean accepted length is tokens per target forward call.
         run.finish()
-    spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0], None)]
     none1 = runs[("specray", "none", 1, "greedy", "static", None)]
-    alpha = spec1.acceptance_rate or 0.0
-    c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
-    bound = analytic_speedup(alpha, c, s.k)
-    speedup = spec1.tokens_per_s / none1.tokens_per_s
+    alpha = c = bound = speedup = None
+    if s.draft:
+        spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0], None)]
+        alpha = spec1.acceptance_rate or 0.0
+        c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
+        bound = analytic_speedup(alpha, c, s.k)
+        speedup = spec1.tokens_per_s / none1.tokens_per_s
     result = {
         "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
-        "efficiency": speedup / bound, "greedy_outputs_equal": not check.mismatches,
+        "efficiency": speedup / bound if s.draft else None, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
         "rotate_prompts": s.rotate_prompts, "static_ks": sorted(set(s.static_ks) - {s.k}),
         # The adaptive runs' reach alone (None: no adaptive runs, or no early stops).
@@ -383,10 +399,31 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         else None,
         "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
+        "prompt_set": s.prompt_set,
         "runs": [_public(r) for r in runs.values()],
         "paired": paired_ratios(list(runs.values())),
+        "batch1_ratios": batch1_ratios(runs),
     }
     return result
+
+
+# (numerator, denominator) at batch 1, greedy: what prompt lookup buys in each system, and
+# specray against Hugging Face.
+BATCH1_RATIOS = {
+    "specray ngram / specray none": (("specray", "ngram"), ("specray", "none")),
+    "hf lookup / hf none": (("hf", "lookup"), ("hf", "none")),
+    "specray ngram / hf none": (("specray", "ngram"), ("hf", "none")),
+    "specray ngram / hf lookup": (("specray", "ngram"), ("hf", "lookup")),
+    "specray none / hf none": (("specray", "none"), ("hf", "none")),
+}
+
+
+def batch1_ratios(runs: dict) -> dict:
+    """``BATCH1_RATIOS`` within each repeat (``within_repeats``)."""
+    def samples(system: str, proposer: str) -> list[float]:
+        return runs[(system, proposer, 1, "greedy", "static", None)].samples
+
+    return {name: within_repeats(samples(*a), samples(*b)) for name, (a, b) in BATCH1_RATIOS.items()}
 
 
 def run_order(plan: list[tuple], rep: int) -> list[tuple]:
@@ -503,8 +540,9 @@ def _plot(result: dict, path: Path) -> Path | None:
         ax.bar(xs, ys, width, yerr=err, label=label, capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"batch {b}" for b in sizes])
     ax.set_ylabel("tokens/s (median, min-max)")
-    ax.set_title(f"specray bench: {result['draft_label']} draft, k={result['k']}, alpha={result['alpha']:.2f}, c={result['c']:.2f}, "
-                 f"{result['device']}")
+    figures = (f"alpha={result['alpha']:.2f}, c={result['c']:.2f}" if result["alpha"] is not None
+               else f"{result.get('prompt_set', 'code')} prompts")
+    ax.set_title(f"specray bench: {result['draft_label']} draft, k={result['k']}, {figures}, {result['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -546,11 +584,21 @@ def format_table(result: dict) -> str:
             ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
             lines.append(f"{_policy(p):{w}} {p['batch_size']:>5} {p['against']:>{a}} {p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
+    if result.get("batch1_ratios"):
+        lines.append("")
+        lines.append("batch 1 tokens/s ratios within each repeat (median, min-max)")
+        for name, q in result["batch1_ratios"].items():
+            if q is not None:
+                lines.append(f"  {name:28} {q['median']:6.3f}  {q['min']:.2f}-{q['max']:.2f}")
     lines.append("")
-    lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "
-                 f"analytic bound={result['analytic_bound']:.2f}x  measured (draft vs none, batch 1)="
-                 f"{result['measured_speedup']:.2f}x  efficiency={result['efficiency']:.2f}")
+    if result["alpha"] is None:
+        lines.append(f"k={result['k']}  no draft: n-gram and plain decoding only")
+    else:
+        lines.append(f"k={result['k']}  alpha={result['alpha']:.3f}  c={result['c']:.3f}  "
+                     f"analytic bound={result['analytic_bound']:.2f}x  measured (draft vs none, batch 1)="
+                     f"{result['measured_speedup']:.2f}x  efficiency={result['efficiency']:.2f}")
     lines.append(f"greedy outputs equal across every configuration: {result['greedy_outputs_equal']}")
-    lines.append("prompts: " + ("the next ones every repeat (--rotate-prompts)" if result.get("rotate_prompts")
+    lines.append(f"prompts: the {result.get('prompt_set', 'code')} set, "
+                 + ("the next ones every repeat (--rotate-prompts)" if result.get("rotate_prompts")
                                 else "the same ones every repeat"))
     return "\n".join(lines)

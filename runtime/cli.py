@@ -8,7 +8,7 @@ import sys
 import tempfile
 import time
 
-from specray import batch, serve
+from specray import batch, models_cli, serve
 from specray.cli_args import add_model_args, builtin_model, runtime_config
 
 def cmd_generate(args) -> int:
@@ -44,16 +44,20 @@ def cmd_bench(args) -> int:
     from specray.bench import BenchSettings, format_table, random_copy, run_bench, write_outputs
 
     target = args.target or builtin_model("tiny-target")
+    # A target given alone is benched without a draft: n-gram and plain decoding only.
     draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
-    if target is None or draft is None:
-        raise SystemExit("bench needs --target and --draft (or the built-in pair under models/)")
+    if target is None or (args.target is None and draft is None):
+        raise SystemExit("bench needs --target (and --draft, for the draft runs), or the built-in pair")
+    if args.random_draft and draft is None:
+        raise SystemExit("--random-draft needs a draft to copy: give --draft")
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
                       draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
-                      static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()))
+                      static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
+                      prompt_set=args.prompts)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     for spec in args.adaptive_variant:
         name, _, options = spec.partition("=")
@@ -62,7 +66,7 @@ def cmd_bench(args) -> int:
         s.variants[name] = json.loads(options or "{}")
     if args.quick:
         s.max_tokens, s.repeats = min(s.max_tokens, 32), min(s.repeats, 2)
-    label = "built-in" if args.draft is None and args.target is None else "given"
+    label = "built-in" if args.draft is None and args.target is None else "given" if draft else "no"
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_draft:
             s.draft, label = random_copy(draft, tmp), "random (bad)"
@@ -110,11 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
                    help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
                         "nostops='{\"stop_early\": false}' (with --policy adaptive or both)")
+    b.add_argument("--prompts", default="code", choices=["code", "quote"],
+                   help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
+                        "paragraph the prompt quotes (where n-gram lookup pays)")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)
     serve.add_parser(sub)
     batch.add_parser(sub)
+    models_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

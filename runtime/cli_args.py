@@ -7,11 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 from specray.config import FIELD_SECTION, SECTIONS, RuntimeConfig
 
-BUILTIN_MODELS = Path(__file__).resolve().parent.parent / "models"
 # Flags of fields that are not plain values of a section: the models default to the
 # built-in pair, and the top-level fields.
 _MODEL_PATHS = ("target", "draft")
@@ -20,9 +18,15 @@ _TOP_HELP = {"seed": "the runtime's generator: requests without their own seed d
 
 
 def builtin_model(name: str) -> str | None:
-    """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), if present."""
-    path = BUILTIN_MODELS / name
-    return str(path) if (path / "config.json").exists() else None
+    """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), or None
+    where it is not installed (the commands then ask for ``--target``)."""
+    from specray.model_store import ModelNotFound
+    from specray.model_store import builtin_model as find
+
+    try:
+        return find(name)
+    except ModelNotFound:
+        return None
 
 
 def _fields():

@@ -107,6 +107,13 @@ class DriverCore:
         # Imported here, not at module level: the client process defines the driver actor
         # from this class and should not pay for torch and transformers (seconds per CLI call).
         from specray.workers import model_loader
+        from specray.workers.vocabulary import check_pair
+
+        def tokenizer_or_none(path: str):
+            try:
+                return model_loader.load_tokenizer(path)
+            except Exception:
+                return None
 
         tcfg = model_loader.load_config(config.target)
         self.vocab_size = tcfg.vocab_size
@@ -118,16 +125,14 @@ class DriverCore:
         if (config.max_speculative_tokens or 0) >= self.max_model_len:
             raise ValueError(f"max_speculative_tokens {config.max_speculative_tokens} must be below "
                              f"max_model_len {self.max_model_len}")
+        self.tokenizer = tokenizer_or_none(config.target)  # None: token-id prompts only
         draft_len = None
         if config.proposer == "draft":
             dcfg = model_loader.load_config(config.draft)
-            if dcfg.vocab_size != tcfg.vocab_size:
-                raise ValueError(f"draft vocab_size {dcfg.vocab_size} differs from the target's {tcfg.vocab_size}")
+            # Vocabulary sizes may differ (padding); the token ids both score must agree.
+            check_pair(config.target, config.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,
+                       tokenizer_or_none(config.draft) if self.tokenizer is not None else None)
             draft_len = model_loader.max_model_len(dcfg)
-        try:
-            self.tokenizer = model_loader.load_tokenizer(config.target)
-        except Exception:
-            self.tokenizer = None   # token-id prompts still work; strings are refused
         return draft_len
 
     # -- client API ----------------------------------------------------------------
@@ -212,11 +217,9 @@ class DriverCore:
         return seq, list(ids)
 
     def _tokenize(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        if tok.bos_token_id is not None and getattr(tok, "add_bos_token", True):
-            ids = [tok.bos_token_id] + ids
-        return ids
+        from specray.workers.model_loader import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
 
     def wait(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput] | None:
         """All outputs once every request has finished; None if the timeout passes first."""

@@ -47,9 +47,16 @@ class FixedFloorPolicy:
 
 def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
               heads: int = 4, kv_heads: int = 2, max_len: int = 256, draft_max_len: int | None = None,
-              seed: int = 0, draft_noise: float = 0.0):
+              seed: int = 0, draft_noise: float = 0.0, draft_vocab: int | None = None, tokenizer: bool = False):
     """A target and a draft sharing its embedding, first layer and head (so the draft
-    agrees with the target often but not always); returns their directories."""
+    agrees with the target often but not always); returns their directories.
+
+    ``draft_vocab``: the draft's vocabulary, padded differently from the target's: fewer
+    rows (the target's first ones; the target's others are then damped, as padding rows
+    are seldom emitted), or more, whose head rows are twice some shared ones (so a draft
+    that proposed past the target's vocabulary would often do so).
+    ``tokenizer``: save one word tokenizer (``word_tokenizer``) for the ids both share
+    next to both models."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -70,8 +77,21 @@ def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int =
         for layer in target.model.layers[1:]:
             layer.self_attn.o_proj.weight.mul_(0.3)
             layer.mlp.down_proj.weight.mul_(0.3)
-    draft = model_cls(config(1, draft_max_len or max_len))
+    dcfg = config(1, draft_max_len or max_len)
+    dv = draft_vocab or vocab
+    if dv < vocab:
+        with torch.no_grad():
+            target.lm_head.weight[dv:].mul_(0.2)
+    dcfg.vocab_size = dv
+    draft = model_cls(dcfg)
     sd = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = sd[name]
+        if dv < vocab:
+            sd[name] = w[:dv].clone()
+        elif dv > vocab:
+            extra = torch.arange(dv - vocab) % vocab
+            sd[name] = torch.cat([w, w[extra] * (2.0 if name == "lm_head.weight" else 1.0)])
     draft.load_state_dict(sd)
     if draft_noise:
         with torch.no_grad():
@@ -80,7 +100,29 @@ def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int =
     t_dir, d_dir = out_dir / f"{arch}-target", out_dir / f"{arch}-draft"
     target.save_pretrained(t_dir)
     draft.save_pretrained(d_dir)
+    if tokenizer:
+        for d in (t_dir, d_dir):
+            word_tokenizer(min(vocab, dv)).save_pretrained(d)
     return str(t_dir), str(d_dir)
+
+
+def word_tokenizer(size: int, bos: str | None = None, eos_after: bool = False, prefix: str = "w"):
+    """A fast tokenizer built offline: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, then the words
+    ``{prefix}3`` .. ``{prefix}{size-1}``, split on whitespace. ``bos``: None, ``"post"``
+    (its post-processor puts ``<s>`` first, as Gemma 3's and Llama 3's do) or ``"flag"``
+    (``add_bos_token=True``); ``eos_after``: the post-processor appends ``</s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"{prefix}{i}": i for i in range(3, size)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    single = ("<s> " if bos == "post" else "") + "$A" + (" </s>" if eos_after else "")
+    if single != "$A":
+        tk.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 1), ("</s>", 2)])
+    flag = {"add_bos_token": True} if bos == "flag" else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>", **flag)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -195,3 +237,11 @@ def run_local(cfg, prompts, params):
     finally:
         drv.shutdown()
 
+
+
+def disagreeing_pair(out_dir: Path) -> tuple[str, str]:
+    """A target and a draft of one vocabulary size whose tokenizers name other tokens by
+    the same ids: a pair the driver refuses."""
+    t, d = make_pair(out_dir, tokenizer=True)
+    word_tokenizer(97, prefix="v").save_pretrained(d)
+    return t, d

@@ -13,6 +13,14 @@ below its floor: the pass its next proposal needs would cost more than that prop
 likely to return. Which sequence stops where depends only on proposals already drawn, so
 the rejection sampler's output stays the target's.
 
+Vocabulary: the draft may have fewer or more embedding rows than the target (checkpoints
+of one tokenizer padded differently; ``vocabulary`` checks the ids they share agree). It
+proposes only ids the target scores: its logits are cut to the target's ``vocab_size``,
+so proposals and probabilities come from the distribution restricted to those ids, and
+its probabilities are given over the target's whole vocabulary, zero past its own. A
+token of the sequence that the draft has no row for (the target emitted a padding id) is
+fed to the draft as its token 0: only the quality of its proposals depends on that input.
+
 The reach and the floors stay on the host: a few multiplications per sequence, where
 tensors would cost about ten small ops a pass.
 """
@@ -20,22 +28,40 @@ tensors would cost about ten small ops a pass.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from specray.scheduler.messages import decile
-from specray.scheduler.messages import Proposals, StepPlan
+from specray.scheduler.messages import Proposals, StepPlan, decile
+from specray.workers import model_loader
 from specray.workers.model_runner import ModelWorker
+from specray.workers.worker_config import WorkerConfig
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 
 class DraftWorker(ModelWorker):
+    def __init__(self, cfg: WorkerConfig) -> None:
+        super().__init__(cfg)
+        own = self.runner.vocab_size
+        # The target whose window bounds this draft's also bounds the ids it may propose.
+        self.target_vocab = model_loader.load_config(cfg.window_of).vocab_size if cfg.window_of else own
+        self.scored = min(own, self.target_vocab)      # ids the draft can propose
+
+    def _own_ids(self, plan: StepPlan) -> StepPlan:
+        """The plan with tokens the draft has no row for (ids in [own, target)) fed as 0;
+        ids past the target's vocabulary stay, for ``check_plan`` to refuse."""
+        own, ids = self.runner.vocab_size, plan.token_ids
+        if self.target_vocab <= own or not ids or max(ids) < own:
+            return plan
+        return replace(plan, token_ids=[0 if own <= t < self.target_vocab else t for t in ids])
+
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
         """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
-        the draft probabilities ``[n, k, V]`` its proposals were drawn from."""
+        the draft probabilities ``[n, k, V_target]`` its proposals were drawn from."""
         t0 = time.perf_counter()
         r = self.runner
+        plan = self._own_ids(plan)
         r.check_plan(plan)
         # Passes 1..k_i-1 each write one slot past the fed tokens; the last proposal is
         # never run through the draft.
@@ -48,7 +74,9 @@ class DraftWorker(ModelWorker):
         sampled_rows = [t > 0 for t in plan.temperature]
         any_sampled = any(sampled_rows)
         proposals = torch.full((n, k), -1, dtype=torch.long, device=dev)             # [n, k]
-        probs = torch.zeros(n, k, r.vocab_size, device=dev) if any_sampled else None  # [n, k, V]
+        # Over the target's vocabulary: zero past the ids this draft proposes.
+        probs = torch.zeros(n, k, self.target_vocab, device=dev) if any_sampled else None  # [n, k, V_target]
+        w = self.scored
         temps = r.to_device(plan.temperature, torch.float32)
         seeds = r.to_device(plan.seeds)
         greedy = r.to_device([not s for s in sampled_rows], torch.bool)
@@ -63,7 +91,7 @@ class DraftWorker(ModelWorker):
         rows = list(range(n))
         ends = torch.tensor(plan.num_new).cumsum(0) - 1
         logits = r.forward(plan.seq_ids, plan.num_computed, plan.num_new,
-                           r.to_device(plan.token_ids), ends.to(dev))                  # [n, V]
+                           r.to_device(plan.token_ids), ends.to(dev))[:, :w]           # [n, w]
         for p in range(k):
             if p > 0:
                 rows = [i for i in rows if lens[i] > p]
@@ -72,18 +100,18 @@ class DraftWorker(ModelWorker):
                 idx = r.to_device(rows)
                 logits = r.forward([plan.seq_ids[i] for i in rows], [seq_len[i] + p - 1 for i in rows],
                                    [1] * len(rows), proposals[idx, p - 1],
-                                   torch.arange(len(rows), device=dev))              # [m, V]
+                                   torch.arange(len(rows), device=dev))[:, :w]       # [m, w]
             else:
                 idx = torch.arange(n, device=dev)
             tok = logits.argmax(dim=-1)
             q = None
             if any_sampled and any(sampled_rows[i] for i in rows):
                 q = logits_to_probs(logits, temps[idx], [plan.top_k[i] for i in rows],
-                                    [plan.top_p[i] for i in rows])                    # [m, V]
+                                    [plan.top_p[i] for i in rows])                    # [m, w]
                 pos = r.to_device([seq_len[i] + p for i in rows])
                 drawn = sample_from_probs(q, keyed_uniform(seeds[idx], pos, STREAM_DRAFT))
                 tok = torch.where(greedy[idx], tok, drawn)
-                probs[idx, p] = q
+                probs[idx, p, :w] = q
             proposals[idx, p] = tok
             if stops:
                 self._stop_early(lens, rows, p, logits, tok, q, greedy[idx], conf, reach, plan.min_reach,

@@ -1,6 +1,13 @@
-"""Loading causal LMs and tokenizers through transformers' own path."""
+"""Loading causal LMs and tokenizers through transformers' own path.
+
+A model is named by a local directory or a hub id. A name that can only be a path (see
+``looks_local``) and does not exist is refused here, naming the absolute path it was
+looked for at, instead of ending in a hub error about a repository id.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -35,10 +42,45 @@ def resolve_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# The built-in pair's folder names: a path ending in one is never a hub id.
+_BUILTIN = ("tiny-target", "tiny-draft")
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` can only mean a directory: it starts with ``.``, ``/`` or ``~``,
+    has more than one ``/`` (a hub id is ``owner/name`` or ``name``), its parent folder
+    exists here (``models/tiny-target`` beside a ``models/`` folder), or it names a model
+    of the built-in pair."""
+    if path.startswith((".", "/", "~", os.sep)) or path.count("/") > 1:
+        return True
+    parent = os.path.dirname(path)
+    return bool(parent) and os.path.isdir(parent) or os.path.basename(path.rstrip("/")) in _BUILTIN
+
+
+def resolve_model_path(path: str) -> str:
+    """The absolute directory of a local model (``~`` expanded), or a hub id unchanged.
+
+    Raises ValueError for a name that can only be a path and is not a directory."""
+    local = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(local):
+        return local
+    if looks_local(path):
+        name = os.path.basename(path.rstrip("/"))
+        hint = f"; specray.builtin_model({name!r}) gives the built-in model's path" if name in _BUILTIN else ""
+        raise ValueError(f"no such model directory: {local} (relative paths resolve from {os.getcwd()}){hint}")
+    return path
+
+
 def load_config(path: str):
+    where = resolve_model_path(path)
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(where)
     except Exception as e:
+        if where == path and not os.path.isdir(path):
+            # Not a directory here: transformers took it for a hub id.
+            raise ValueError(f"cannot load a model config from {path!r}: it is neither a directory here "
+                             f"(relative paths resolve from {os.getcwd()}) nor a model the hub or its cache "
+                             f"holds: {e}") from e
         raise ValueError(f"cannot load a model config from {path!r}: {e}") from e
 
 
@@ -47,7 +89,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto"):
     dev = resolve_device(device)
     config = load_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
     # The attention setting lives on the config: each model has its own config object.
     model.set_attn_implementation(paged_attention.register())
     model.to(dev).eval()
@@ -55,7 +97,29 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto"):
 
 
 def load_tokenizer(path: str):
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """``text`` as transformers' own generation path encodes a plain prompt
+    (``tokenizer(text)``: whatever the tokenizer puts in front, a BOS from its
+    post-processor or its ``add_bos_token``), without what it appends after the text (an
+    EOS or SEP, as ByT5's does), which would end the request before it began."""
+    full = tokenizer(text)["input_ids"]
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(plain)
+    if n:
+        # full = prefix + plain + suffix; the prefix is a few special tokens at most.
+        for i in range(len(full) - n + 1):
+            if full[i:i + n] == plain:
+                return full[:i + n]
+    # No plain tokens to anchor on (or a tokenizer whose special tokens change the text's
+    # own encoding): drop trailing end-of-sequence tokens.
+    ends = {t for t in (tokenizer.eos_token_id, tokenizer.sep_token_id) if t is not None}
+    bos = tokenizer.bos_token_id
+    while full and full[-1] in ends and not (len(full) == 1 and full[0] == bos):
+        full = full[:-1]
+    return full
 
 
 def eos_token_ids(config) -> list[int]:

@@ -150,3 +150,49 @@ def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
     counts = Counter(tuple(o.token_ids[:2]) for o in outs)
     assert chi2_pvalue(counts, exact_joint(target, 1.0, 0)) > 1e-3
     assert chi2_pvalue(counts, exact_joint(draft, 1.0, 0)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def padded_drafts(tiny_vocab_pair, tmp_path_factory):
+    """The tiny pair's draft padded two other ways: cut to its first 6 rows (the target's
+    tokens 6 and 7 are then ones it can never propose), and grown to 10, the two extra
+    head rows three times rows 0 and 1 (unmasked, it would mostly propose them)."""
+    _, draft = tiny_vocab_pair
+    root = tmp_path_factory.mktemp("padded")
+    out = {}
+    for dv in (6, 10):
+        model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+        sd = model.state_dict()
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = sd[name]
+            scale = 3.0 if name == "lm_head.weight" else 1.0
+            sd[name] = w[:dv].clone() if dv < V else torch.cat([w, w[:dv - V] * scale])
+        model.config.vocab_size = dv
+        grown = LlamaForCausalLM(model.config)
+        grown.load_state_dict(sd)
+        grown.save_pretrained(root / str(dv))
+        out[dv] = str(root / str(dv))
+    return out
+
+
+@pytest.mark.parametrize("dv", [6, 10])
+def test_a_draft_padded_another_way_keeps_the_target_distribution(tiny_vocab_pair, padded_drafts, dv):
+    """The draft proposes only ids the target scores, its probabilities zero past its own
+    rows (6) or cut to the target's (10): the first two tokens still follow the target."""
+    target, _ = tiny_vocab_pair
+    cfg = RuntimeConfig(target=target, draft=padded_drafts[dv], num_speculative_tokens=2, block_size=4,
+                        device="cpu", dtype="float32", max_num_seqs=1024, max_pending=N, seed=13)
+    drv = DriverCore(cfg, backend="local")
+    try:
+        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=2, temperature=1.0)] * N)
+        assert reply.error is None
+        outs = drv.wait(reply.request_ids, timeout=600)
+        m = drv.metrics()
+    finally:
+        drv.shutdown()
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert 0.1 < m["acceptance_rate"] < 0.9
+    assert chi2_pvalue(counts, exact_joint(target, 1.0, 0)) > 1e-3
+    if dv < V:
+        # Tokens the draft has no row for come from the residual (and the bonus) alone.
+        assert any(a >= dv or b >= dv for a, b in counts)

@@ -56,11 +56,11 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
         drv.shutdown()
 
 
-def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair, tmp_path, monkeypatch):
+def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, monkeypatch):
     """The workers start while the driver reads the configs; a refusal (here a draft with
-    another vocabulary) calls the start off instead of waiting for the models to load."""
+    another tokenizer) calls the start off instead of waiting for the models to load."""
     import specray.driver
-    from specray_testing import make_pair
+    from specray_testing import disagreeing_pair
     from specray.worker_pool import StartCancelled
 
     seen = []
@@ -71,9 +71,8 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(llama_pair,
         raise StartCancelled("called off")
 
     monkeypatch.setattr(specray.driver, "start_workers", start_workers)
-    t, _ = llama_pair
-    _, other_draft = make_pair(tmp_path, vocab=50)
-    with pytest.raises(ValueError, match="draft vocab_size 50 differs"):
+    t, other_draft = disagreeing_pair(tmp_path)
+    with pytest.raises(ValueError, match="do not share a tokenizer"):
         DriverCore(RuntimeConfig(target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"),
                    backend="local")
     assert seen == [True]
