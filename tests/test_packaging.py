@@ -27,7 +27,7 @@ def test_wheel_installs_only_specray(wheel):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"specray"}
     for module in ("specray/__init__.py", "specray/client.py", "specray/scheduler/scheduler.py",
-                   "specray/workers/model_runner.py"):
+                   "specray/workers/model_runner.py", "specray/scheduler/adaptive/policy.py"):
         assert module in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "specray = specray.cli:main" in entry
