@@ -4,6 +4,7 @@ accepted input line, in input order.
 Input, one JSON object a line (blank lines are skipped)::
 
     {"prompt": "text" | [token ids], "id": <anything>, <any SamplingParams field>: ...}
+    {"messages": [{"role": "user", "content": "..."}, ...], ...}   (the chat template applied)
 
 Output, one line per accepted input line::
 
@@ -18,30 +19,31 @@ request's line is dropped and the rest of its chunk resubmitted. ``--on-error fa
 every line against the driver's limits (``SpecRuntime.info``) before generating anything
 and exits with status 2 if any line is malformed.
 
-Runs unchanged inside ``ray job submit --working-dir . -- specray batch ...``: there
-``RAY_ADDRESS`` is set and the runtime joins that cluster.
+``--input`` and ``--output`` are local paths or URIs (``batch_files``). Runs unchanged
+inside ``ray job submit --working-dir . -- specray batch ...``: there ``RAY_ADDRESS`` is
+set and the runtime joins that cluster; a relative ``--output`` is refused there, and the
+last lines say where the output went.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import os
 import re
 import sys
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from specray.cli_args import add_model_args, runtime_config
+from specray.batch_files import Location, Output, check_output_place, locate, read_bytes, where
+from specray.chat import ChatPrompt, check_messages
+from specray.cli_args import add_model_args, runtime_config, sampling_default
 from specray.scheduler.sampling_params import SamplingParams
 
 PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
-LINE_FIELDS = ("prompt", "id") + PARAM_FIELDS
+LINE_FIELDS = ("prompt", "messages", "id") + PARAM_FIELDS
 _REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
 _NO_ID = object()
 
@@ -51,7 +53,7 @@ class Item:
     """One accepted input line."""
 
     line: int                       # 1-based line number in the input file
-    prompt: str | list[int]
+    prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     id: object = _NO_ID
 
@@ -69,10 +71,12 @@ def parse_line(text: str, line: int, defaults: dict) -> Item:
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(map(json.dumps, unknown))}; "
                          f"allowed: {', '.join(LINE_FIELDS)}")
-    if "prompt" not in obj:
-        raise ValueError('missing "prompt"')
-    prompt = obj["prompt"]
-    if isinstance(prompt, str):
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError('give "prompt" or "messages"' if "prompt" in obj else 'missing "prompt" (or "messages")')
+    prompt = obj.get("prompt")
+    if "messages" in obj:
+        prompt = ChatPrompt(check_messages(obj["messages"]))
+    elif isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
     elif isinstance(prompt, list):
@@ -87,12 +91,16 @@ def parse_line(text: str, line: int, defaults: dict) -> Item:
     return Item(line, prompt, params, obj.get("id", _NO_ID))
 
 
-def read_input(path: str, defaults: dict) -> tuple[list[Item], list[tuple[int, str]]]:
-    """Accepted items and (line, reason) for the malformed lines. Lines are split on b"\\n"
-    only: JSON strings may hold U+2028 and friends, which str.splitlines would split on."""
+def read_input(path: str | Location, defaults: dict) -> tuple[list[Item], list[tuple[int, str]]]:
+    """Accepted items and (line, reason) for the malformed lines of a local path or URI.
+    Lines are split on b"\\n" only: JSON strings may hold U+2028 and friends, which
+    str.splitlines would split on."""
     items, errors = [], []
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, start=1):
+    loc = path if isinstance(path, Location) else locate(path, "--input")
+    data = read_bytes(loc)
+    if data:
+        for line, raw in enumerate(data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"),
+                                   start=1):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -111,7 +119,10 @@ def check_against(info: dict, item: Item) -> str | None:
     """The driver's own checks, from ``SpecRuntime.info``, so ``--on-error fail`` can report
     them before anything is generated. A string prompt's length is only known once the
     driver has tokenized it."""
-    if isinstance(item.prompt, str):
+    if isinstance(item.prompt, ChatPrompt):
+        if not info.get("has_chat_template"):
+            return "messages need a chat template, and the target's tokenizer has none"
+    elif isinstance(item.prompt, str):
         if not info["has_tokenizer"]:
             return "prompt is a string but the target has no tokenizer; pass token ids"
     else:
@@ -165,58 +176,21 @@ def output_record(item: Item, out) -> dict:
     return rec
 
 
-class Output:
-    """``-``: stdout, line by line. A path: a temporary file beside it, renamed over it on
-    ``commit()``, so a crash never leaves a half-written output."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if path == "-":
-            self.file, self.tmp = sys.stdout, None
-            return
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "it is a directory")
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)     # what a plain open() would have made
-        self.file = os.fdopen(fd, "w", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        if self.tmp is None:
-            self.file.flush()
-
-    def commit(self) -> None:
-        if self.tmp is None:
-            return
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
-        self.tmp = None
-
-    def discard(self) -> None:
-        if self.tmp is not None:
-            self.file.close()
-            os.unlink(self.tmp)
-            self.tmp = None
-
-
 # -- the command ---------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", required=True, help="JSONL file, one request per line")
+    p.add_argument("--input", required=True,
+                   help="JSONL file, one request per line: a path or a file://, s3://, gs:// URI")
     p.add_argument("--output", required=True,
-                   help="JSONL file to write (replaced atomically at the end), or - for stdout. Inside "
-                        "`ray job submit` a relative path lands in the job's working directory: use an "
-                        "absolute path or -")
+                   help="JSONL file to write (put in place whole at the end): a path, a file://, s3://, gs:// URI, "
+                        "or - for stdout. Inside `ray job submit --working-dir` a relative path is refused: it "
+                        "would land in the job's temporary copy of the directory")
     add_model_args(p)
     d = p.add_argument_group("sampling defaults", "for lines that do not set the field themselves")
     d.add_argument("--max-tokens", type=int, default=128)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--temperature", type=float, default=sampling_default("temperature"),
+                   help="0 for greedy (default: SamplingParams', %(default)s)")
+    d.add_argument("--top-p", type=float, default=sampling_default("top_p"))
+    d.add_argument("--top-k", type=int, default=sampling_default("top_k"))
     d.add_argument("--sample-seed", type=int, default=None,
                    help="seed for lines without one (default: each draws its own from --seed)")
     d.add_argument("--stop-token-ids", type=_int_list, default=[], help="comma-separated token ids")
@@ -286,6 +260,7 @@ def run(args) -> int:
                     top_k=args.top_k, seed=args.sample_seed, stop_token_ids=args.stop_token_ids,
                     ignore_eos=args.ignore_eos)
     SamplingParams(**defaults)                       # bad flags fail here, naming the field
+    check_output_place(args.output)                  # before anything starts: a job's temp dir
     config = runtime_config(args)
     try:
         items, errors = read_input(args.input, defaults)
@@ -335,6 +310,8 @@ def run(args) -> int:
         out.discard()
         if rt is not None:
             rt.shutdown()
+    shown = "stdout" if args.output == "-" else where(out.location)
+    print(f"specray batch: wrote {done} line(s) to {shown}", file=sys.stderr)
     rate = m.get("acceptance_rate")
     print(f"specray batch: {done} done, {len(rejected)} skipped, {tokens} tokens in {wall:.2f}s "
           f"({tokens / wall if wall > 0 else 0.0:.1f} tokens/s; startup {t1 - t0:.1f}s), "

@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from specray import batch, models_cli, serve
-from specray.cli_args import add_model_args, builtin_model, runtime_config
+from specray.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
 
 def cmd_generate(args) -> int:
     from specray import SamplingParams, SpecRuntime
@@ -82,17 +82,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specray", description="Exact speculative decoding on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     g.add_argument("prompt")
     add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.8,
-                   help="0 for greedy (the built-in pair, being tiny, then repeats whitespace)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=sampling_default("temperature"),
+                   help="0 for greedy (the built-in pair, being tiny, then repeats whitespace); default: "
+                        "SamplingParams', %(default)s")
+    g.add_argument("--top-p", type=float, default=sampling_default("top_p"))
+    g.add_argument("--top-k", type=int, default=sampling_default("top_k"))
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
@@ -123,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub)
     batch.add_parser(sub)
     models_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

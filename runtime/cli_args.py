@@ -17,6 +17,14 @@ _TOP_HELP = {"seed": "the runtime's generator: requests without their own seed d
              "max_pending": "unfinished requests the driver holds; online submits past it are refused (Overloaded)"}
 
 
+def sampling_default(name: str):
+    """A SamplingParams field's default: the CLI's sampling flags take theirs from it, so
+    ``specray generate``, ``specray batch`` and the Python API sample alike."""
+    from specray.scheduler.sampling_params import SamplingParams
+
+    return SamplingParams.__dataclass_fields__[name].default
+
+
 def builtin_model(name: str) -> str | None:
     """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), or None
     where it is not installed (the commands then ask for ``--target``)."""

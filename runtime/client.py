@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import re
+import time
+import warnings
+from collections import deque
 from typing import Iterator, Sequence as Seq
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from specray.config import RuntimeConfig
+from specray.chat import ChatPrompt, check_messages
+from specray.config import ClusterConfig, RuntimeConfig
 from specray.driver import DriverCore, Overloaded, SubmitReply
 from specray import ray_env
 from specray.request_output import RequestOutput
@@ -34,13 +40,14 @@ class Driver(DriverCore):
 RemoteDriver = ray.remote(max_concurrency=256)(Driver)
 
 _POLL_S = 1.0
+_REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
 
 
 class SpecRuntime:
     def __init__(self, config: RuntimeConfig) -> None:
         if not isinstance(config, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
-        self._owns_ray = ray_env.acquire(config.ray_address, config.namespace)
+        self._owns_ray = ray_env.acquire(config.ray_address, config.namespace, config.ray_connect_timeout_s)
         # The driver lives on this process's node: on an autoscaling cluster that is the
         # node that stays (head or job node), not a worker node that may be taken away with
         # every request's state. It needs no resources, so any node can host it; not soft,
@@ -81,11 +88,27 @@ class SpecRuntime:
         self._closed = True
 
     @classmethod
-    def connect(cls, name: str = "specray", namespace: str = "specray",
-                address: str | None = None) -> "SpecRuntime":
+    def connect(cls, name: str = "specray", namespace: str = "specray", ray_address: str | None = None,
+                timeout_s: float | None = None, *, address: str | None = None) -> "SpecRuntime":
         """Attach to a driver started elsewhere (``specray serve``). ``shutdown()`` on an
-        attached handle detaches; the driver keeps serving."""
-        owns = ray_env.acquire(address if address is not None or ray.is_initialized() else "auto", namespace)
+        attached handle detaches; the driver keeps serving.
+
+        ``ray_address`` as in ``RuntimeConfig``, except that with nothing given (no Ray
+        in this process, no ``RAY_ADDRESS``) it is "auto": the one cluster running on this
+        machine. A cluster that does not answer within ``timeout_s`` (default:
+        ``RuntimeConfig.ray_connect_timeout_s``'s) is a ValueError.
+        ``address`` is the old name of ``ray_address``."""
+        if address is not None:
+            if ray_address is not None and ray_address != address:
+                raise ValueError("give ray_address only (address is its old name)")
+            warnings.warn("SpecRuntime.connect(address=...) is deprecated: use ray_address=", DeprecationWarning,
+                          stacklevel=2)
+            ray_address = address
+        if ray_address is None and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            ray_address = "auto"
+        if timeout_s is None:
+            timeout_s = ClusterConfig().ray_connect_timeout_s
+        owns = ray_env.acquire(ray_address, namespace, timeout_s)
         try:
             driver = ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -105,16 +128,19 @@ class SpecRuntime:
         return dict(self._info)
 
     # -- requests ------------------------------------------------------------------
-    def _submit(self, prompts: list, params) -> list[str]:
+    def _params_list(self, n: int, params) -> list[SamplingParams]:
         if isinstance(params, (list, tuple)):
             plist = list(params)
-            if len(plist) != len(prompts):
-                raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+            if len(plist) != n:
+                raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
         else:
-            plist = [params if params is not None else SamplingParams()] * len(prompts)
+            plist = [params if params is not None else SamplingParams()] * n
         for i, p in enumerate(plist):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"request {i}: params must be SamplingParams, got {type(p).__name__}")
+        return plist
+
+    def _submit(self, prompts: list, plist: list[SamplingParams]) -> list[str]:
         reply: SubmitReply = ray.get(self._driver.submit.remote(prompts, plist))
         if reply.overloaded:
             raise Overloaded(reply.error)
@@ -122,21 +148,110 @@ class SpecRuntime:
             raise ValueError(reply.error)
         return reply.request_ids
 
-    def generate(self, prompts: Seq, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Seq, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts`` (strings, token-id lists, or
+        ``specray.chat.ChatPrompt`` conversations), for any number of them. ``use_tqdm``: a
+        progress bar on stderr."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists)")
-        ids = self._submit(list(prompts), params)
-        if not ids:
+        prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (str, list, tuple, ChatPrompt)):
+                raise ValueError(f"request {i}: prompt must be a string or a list of token ids, "
+                                 f"got {type(p).__name__}")
+        return self._run(prompts, self._params_list(len(prompts), params), use_tqdm)
+
+    def chat(self, conversations: Seq, params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per conversation (a list of ``{"role", "content"}`` messages), the
+        target tokenizer's chat template applied with the generation prompt. A target
+        without a chat template is a ValueError."""
+        if not isinstance(conversations, (list, tuple)) or (conversations and isinstance(conversations[0], dict)):
+            raise ValueError("conversations must be a list of conversations, each a list of "
+                             "{'role', 'content'} dicts")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(ChatPrompt(check_messages(conv)))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        return self._run(prompts, self._params_list(len(prompts), params), use_tqdm)
+
+    def _run(self, prompts: list, plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        """Submit and collect. The driver holds at most ``max_pending`` unfinished requests
+        (online clients are refused past it); an offline call larger than what it has room
+        for is checked whole, then fed in parts as earlier ones finish."""
+        from tqdm import tqdm
+
+        n = len(prompts)
+        if not n:
             return []
+        bar = tqdm(total=n, unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            room = self._info.get("max_pending", n)
+            if n <= room:
+                try:
+                    ids = self._submit(prompts, plist)
+                except Overloaded:
+                    pass         # other clients hold the room: feed it in parts below
+                else:
+                    outs = self._collect(ids)
+                    bar.update(n)
+                    return outs
+            error = ray.get(self._driver.check.remote(prompts, plist))
+            if error:
+                raise ValueError(error)
+            return self._feed(prompts, plist, max(1, room // 4), bar)
+        finally:
+            bar.close()
+
+    def _collect(self, ids: list[str]) -> list[RequestOutput]:
         while True:
             outs = ray.get(self._driver.wait.remote(ids, _POLL_S))
             if outs is not None:
                 return outs
 
+    def _feed(self, prompts: list, plist: list[SamplingParams], part: int, bar) -> list[RequestOutput]:
+        """Keep submitting parts of ``part`` requests while the driver takes them; when it
+        is full, wait a moment on the oldest part (the room frees as any request finishes,
+        delivered or not) and try again."""
+        outs: list[RequestOutput | None] = [None] * len(prompts)
+        running: deque[tuple[int, list[str]]] = deque()
+        start = 0
+        backoff = 0.05
+        while start < len(prompts) or running:
+            if start < len(prompts):
+                end = min(start + part, len(prompts))
+                try:
+                    ids = self._submit(prompts[start:end], plist[start:end])
+                except ValueError as e:
+                    # Checked whole before; a refusal now names its index within the part.
+                    m = _REQUEST_ERROR.fullmatch(str(e))
+                    raise ValueError(f"request {start + int(m[1])}: {m[2]}" if m else str(e)) from None
+                except Overloaded:
+                    if not running:         # other clients fill it: wait for them
+                        time.sleep(backoff)
+                        backoff = min(2 * backoff, 1.0)
+                        continue
+                else:
+                    running.append((start, ids))
+                    start, backoff = end, 0.05
+                    continue
+            first, ids = running[0]
+            done = ray.get(self._driver.wait.remote(ids, 0.1 if start < len(prompts) else _POLL_S))
+            if done is not None:
+                running.popleft()
+                outs[first:first + len(done)] = done
+                bar.update(len(done))
+        return outs
+
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields the new part of the output as it is produced; the last one carries
         ``finish_reason``."""
-        (rid,) = self._submit([prompt], params)
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        (rid,) = self._submit([prompt], self._params_list(1, params))
         while True:
             delta = ray.get(self._driver.poll.remote(rid, _POLL_S))
             if delta is None:

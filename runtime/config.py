@@ -50,6 +50,9 @@ class ClusterConfig:
         "flags": ("--placement-timeout", "--placement-timeout-s")})
     ray_address: str | None = field(default=None, metadata={
         "help": "cluster to join (default: this process's Ray, else RAY_ADDRESS, else a private local Ray)"})
+    ray_connect_timeout_s: float = field(default=30.0, metadata={
+        "help": "seconds to wait for the cluster at ray_address to answer before refusing it",
+        "flags": ("--ray-connect-timeout", "--ray-connect-timeout-s")})
     name: str | None = field(default=None, metadata={
         "help": "a named driver can be attached with SpecRuntime.connect", "cli": False})
     namespace: str = field(default="specray", metadata={"help": "Ray namespace of the driver", "cli": False})
@@ -61,6 +64,9 @@ class ClusterConfig:
         check_int("max_worker_restarts", self.max_worker_restarts, 0)
         check_number("target_down_timeout_s", self.target_down_timeout_s)
         check_number("placement_timeout_s", self.placement_timeout_s)
+        check_number("ray_connect_timeout_s", self.ray_connect_timeout_s)
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
+            raise ValueError(f"ray_address must be None, 'auto' or host:port, got {self.ray_address!r}")
         check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         for name in ("colocate", "compiled_graph", "detached"):
             check_bool(name, getattr(self, name))

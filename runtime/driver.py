@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from specray.chat import ChatPrompt, check_messages
 from specray.config import RuntimeConfig
 from specray.engine import Engine
 from specray.request_output import RequestOutput
@@ -140,7 +141,21 @@ class DriverCore:
         return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
                 "num_speculative_tokens": self.config.k, "max_speculative_tokens": self.config.lookahead,
                 "proposer": self.config.proposer,
-                "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None}
+                "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None,
+                "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+                "max_pending": self.config.max_pending}
+
+    def check(self, prompts: list, params: list) -> str | None:
+        """What ``submit`` would refuse these requests for (``request i: ...``), admitting
+        nothing: a caller feeding a large call in parts checks it whole first."""
+        if not isinstance(prompts, list) or not isinstance(params, list) or len(prompts) != len(params):
+            return "prompts and params must be lists of equal length"
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self._prepare(prompt, p)
+            except ValueError as e:
+                return f"request {i}: {e}"
+        return None
 
     def submit(self, prompts: list, params: list) -> SubmitReply:
         """Validate every request first; admit all of them or none."""
@@ -170,6 +185,21 @@ class DriverCore:
         return SubmitReply([s.request_id for s, _ in seqs])
 
     def _make_seq(self, prompt, params) -> tuple[Sequence, list[int]]:
+        ids, params = self._prepare(prompt, params)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._cv:
+            self._next_seq += 1
+            sid = self._next_seq
+        seq = Sequence(seq_id=sid, request_id=f"{sid}-{uuid.uuid4().hex[:8]}", prompt_len=len(ids),
+                       tokens=list(ids), params=params, seed=seed, stop_ids=frozenset(stops))
+        return seq, list(ids)
+
+    def _prepare(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and params, validated; no state changes (check() runs it
+        on requests it does not admit)."""
         if isinstance(params, SamplingParams):
             params = SamplingParams(**asdict(params))          # re-validate what crossed the wire
         elif isinstance(params, dict):
@@ -182,6 +212,13 @@ class DriverCore:
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
             ids = self._tokenize(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            messages = check_messages(prompt.messages)
+            if self.tokenizer is None:
+                raise ValueError("messages need the target's tokenizer and chat template; it has no tokenizer")
+            from specray.workers.model_loader import encode_chat
+
+            ids = encode_chat(self.tokenizer, messages)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             for t in ids:
@@ -205,16 +242,7 @@ class DriverCore:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary")
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.eos_ids)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        with self._cv:
-            self._next_seq += 1
-            sid = self._next_seq
-        seq = Sequence(seq_id=sid, request_id=f"{sid}-{uuid.uuid4().hex[:8]}", prompt_len=len(ids),
-                       tokens=list(ids), params=params, seed=seed, stop_ids=frozenset(stops))
-        return seq, list(ids)
+        return ids, params
 
     def _tokenize(self, text: str) -> list[int]:
         from specray.workers.model_loader import encode_prompt

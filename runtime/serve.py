@@ -51,7 +51,7 @@ def run(args) -> int:
 
     # A server outlives this process: it joins a running cluster, never a private one.
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-    ray_env.acquire(address, args.namespace)
+    ray_env.acquire(address, args.namespace, args.ray_connect_timeout_s)
     if args.stop:
         if not stop_driver(args.name, args.namespace):
             print(f"specray: no driver named {args.name!r} in namespace {args.namespace!r}", file=sys.stderr)

@@ -122,6 +122,21 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return full
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """One conversation as transformers' ``apply_chat_template(messages,
+    add_generation_prompt=True)`` tokenizes it: the template renders the text (its BOS
+    included, where it writes one), which is then encoded without further special tokens.
+    A tokenizer without a chat template is a ValueError."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages need a chat template, and the target's tokenizer has none "
+                         "(set tokenizer.chat_template, or send a plain prompt)")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja2's raise_exception) is bad input
+        raise ValueError(f"messages: the chat template refused them: {e}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def eos_token_ids(config) -> list[int]:
     gen = getattr(config, "eos_token_id", None)
     if gen is None:

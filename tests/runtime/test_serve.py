@@ -14,7 +14,7 @@ import json, sys
 from specray import SpecRuntime, SamplingParams
 runs = []
 for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 1):
-    rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", address=sys.argv[2])
+    rt = SpecRuntime.connect(name=sys.argv[1], namespace="specray-test", ray_address=sys.argv[2])
     outs = rt.generate([[1, 2, 3, 4], [9, 8, 7]], SamplingParams(max_tokens=12, temperature=0.0))
     streamed = [d.token_ids for d in rt.stream([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))]
     runs.append({"tokens": [o.token_ids for o in outs], "streamed": streamed, "metrics": rt.metrics()})
