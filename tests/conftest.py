@@ -75,7 +75,9 @@ def ray_head():
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     log = open(os.path.join(tmp, "head.log"), "w")
     proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", f"--port={port}",
+        # This interpreter, not the `ray` script's shebang (a venv copied from another
+        # checkout names that checkout's python, whose workers import its specray).
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          # Every port explicit: the default agent ports (52365, ...) are taken by any other
          # Ray on this machine, including this session's private one, and a head whose
          # agent cannot bind accepts no jobs.

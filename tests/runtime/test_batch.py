@@ -11,10 +11,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from specray_testing import ROOT, hf_greedy
+from specray.batch_files import Location, check_output_place
 from specray.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
                            run)
 from specray.batch import main as batch_main
@@ -22,7 +24,7 @@ from specray.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
 
 MODEL_FLAGS = ["-k", "3", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
-               "--no-progress"]
+               "--no-progress", "--temperature", "0"]
 
 # (line text, the reason's key words or None for a good line); blank lines are skipped
 LINES = [
@@ -36,7 +38,7 @@ LINES = [
     ("   ", None),
     ('{"prompt": [3, 97, 4]}', "token id 97 is outside the vocabulary"),
     ('{"prompt": "def f(x):\u2028 return x"}', "no tokenizer"),   # U+2028 splits no line
-    ('{"max_tokens": 3}', 'missing "prompt"'),
+    ('{"max_tokens": 3}', 'missing "prompt" (or "messages")'),
     ('{"prompt": [9, 8, 7, 6, 5], "id": 7, "max_tokens": 9}', None),
     ('{"prompt": [2, 4, 6], "stop_token_ids": [41]}', None),   # greedy: 30, 19, 22, 41, ...
 ]
@@ -118,23 +120,93 @@ def test_batch_skips_or_fails_on_malformed_lines(llama_pair, tmp_path, ray_sessi
 
 
 def test_batch_as_a_ray_job(ray_head, llama_pair, tmp_path):
+    """Through a real head's job server: the output lands where --output says (a file://
+    URI here) and the job says where; a relative --output, which would land in the job's
+    temporary copy of the working directory, is refused before anything starts."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     _, url, env = ray_head
     t, d = llama_pair
     inp, out = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+
+    def submit(job_id: str, output: str):
+        entry = ["specray", "batch", "--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--output", output,
+                 "--max-tokens", "8"]
+        return subprocess.run([ray_cli, "job", "submit", "--address", url, "--submission-id", job_id,
+                               "--working-dir", str(ROOT), "--", *entry],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+    refused = submit(f"specray-batch-rel-{os.getpid()}", "out.jsonl")
+    logs = refused.stdout + refused.stderr
+    assert refused.returncode != 0, logs[-4000:]
+    assert "--output out.jsonl is a relative path, and this runs inside a Ray job" in logs, logs[-4000:]
+    assert "runtime_resources" in logs and "Started a local Ray" not in logs
+
     job_id = f"specray-batch-{os.getpid()}"
-    entry = ["specray", "batch", "--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--output", str(out),
-             "--max-tokens", "8"]
-    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", url,
-                        "--submission-id", job_id, "--working-dir", str(ROOT), "--", *entry],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    p = submit(job_id, out.as_uri())
     logs = p.stdout + p.stderr
     assert p.returncode == 0, logs[-4000:]
     assert JobSubmissionClient(url).get_job_status(job_id) == JobStatus.SUCCEEDED
     assert f"{len(GOOD)} done, {len(BAD)} skipped" in logs
+    assert f"wrote {len(GOOD)} line(s) to {out} on " in logs and "(the Ray head, inside a job)" in logs
     assert sorted(reported(logs)) == sorted(BAD), logs[-4000:]
     check_outputs([json.loads(ln) for ln in out.read_text().splitlines()], t, 8)
+
+
+def test_a_relative_output_is_refused_only_inside_a_jobs_working_dir(tmp_path, monkeypatch):
+    wd = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    wd.mkdir(parents=True)
+    monkeypatch.chdir(wd)
+    check_output_place("out.jsonl")                 # not in a job: the user's own directory
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://x.zip"}}))
+    with pytest.raises(ValueError, match=r"--output out.jsonl is a relative path.*absolute path, a file://"):
+        check_output_place("out.jsonl")
+    for ok in (str(tmp_path / "out.jsonl"), "file:///tmp/out.jsonl", "s3://bucket/out.jsonl", "-"):
+        check_output_place(ok)
+    # A job started without --working-dir runs where its head put it: not refused there.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {}}))
+    check_output_place("out.jsonl")
+
+
+def test_batch_reads_and_writes_uris(llama_pair, tmp_path, ray_session, capsys):
+    t, d = llama_pair
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "sub dir" / "out.jsonl"
+    out.parent.mkdir()
+    flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--colocate", "--max-tokens", "8"]
+    assert batch_main(flags + ["--input", Path(inp).as_uri(), "--output", out.as_uri()]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote {len(GOOD)} line(s) to {out} on " in err
+    check_outputs([json.loads(ln) for ln in out.read_text().splitlines()], t, 8)
+    # An absolute path, and a URI pyarrow cannot open: named, nothing started.
+    absolute = tmp_path / "abs.jsonl"
+    assert batch_main(flags + ["--input", inp, "--output", str(absolute)]) == 0
+    assert absolute.read_text() == out.read_text()
+    assert batch_main(flags + ["--input", "nosuchfs://bucket/in.jsonl", "--output", "-"]) == 2
+    assert "--input nosuchfs://bucket/in.jsonl" in capsys.readouterr().err
+
+
+def test_output_to_another_filesystem_appears_whole_at_commit(tmp_path):
+    """A filesystem that is not the local one (a SubTree over a directory stands in for
+    HDFS and friends): spooled locally, then moved into place whole."""
+    from pyarrow import fs
+
+    sub = fs.SubTreeFileSystem(str(tmp_path / "remote"), fs.LocalFileSystem())
+    (tmp_path / "remote").mkdir()
+    loc = Location("sub://out/o.jsonl", sub, "out/o.jsonl")
+    out = Output(loc.spec, loc)
+    out.write({"line": 1})
+    out.write({"line": 2})
+    assert not (tmp_path / "remote" / "out").exists()
+    out.commit()
+    assert (tmp_path / "remote" / "out" / "o.jsonl").read_text() == '{"line": 1}\n{"line": 2}\n'
+    assert [p.name for p in (tmp_path / "remote" / "out").iterdir()] == ["o.jsonl"]
+    half = Output(loc.spec, Location(loc.spec, sub, "out/half.jsonl"))
+    half.write({"line": 3})
+    half.discard()
+    assert not (tmp_path / "remote" / "out" / "half.jsonl").exists()
 
 
 class FakeRuntime:

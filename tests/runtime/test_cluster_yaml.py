@@ -194,9 +194,8 @@ class FakeAutoscalingHead:
         self.env = env
         self.log_path = os.path.join(self.tmp, "head.log")
         self._log = open(self.log_path, "w")
-        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-        self.proc = subprocess.Popen(
-            [ray_bin, "start", "--head", "--block", f"--port={self.port}", f"--ray-client-server-port={client_port}",
+        self.proc = subprocess.Popen(    # this interpreter (see conftest's ray_head)
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={self.port}", f"--ray-client-server-port={client_port}",
              "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={self.tmp}",
              "--object-store-memory=100000000", "--disable-usage-stats", f"--autoscaling-config={conf}"],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
