@@ -251,3 +251,14 @@ def test_bench_runtimes_share_one_gpu(monkeypatch):
     assert actors == {"target_resources": {"GPU": 0.16}, "draft_resources": {"GPU": 0.16}}
     colocated = gpu_shares(BenchSettings(target="t", draft="d", device="cuda", colocate=True), configs)
     assert colocated["target_resources"] == {"GPU": 0.25}
+
+
+def test_sampling_flags_default_to_sampling_params():
+    """`specray generate`, `specray batch` and the API sample alike unless told otherwise."""
+    from specray.cli import build_parser
+    from specray.scheduler.sampling_params import SamplingParams
+
+    parser, api = build_parser(), SamplingParams()
+    for argv in (["generate", "x"], ["batch", "--input", "in.jsonl", "--output", "-"]):
+        args = parser.parse_args(argv)
+        assert (args.temperature, args.top_p, args.top_k) == (api.temperature, api.top_p, api.top_k), argv

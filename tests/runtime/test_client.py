@@ -222,3 +222,87 @@ def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
     rt.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
     assert wait_for(rt.metrics()["num_emitted_tokens"])["ray_specray_num_emitted_tokens_total"] \
         > first["ray_specray_num_emitted_tokens_total"]
+
+
+def test_generate_takes_more_prompts_than_max_pending(ray_session, llama_pair):
+    """One offline call of 11 prompts to a driver that holds 4: fed as room frees, outputs
+    in input order, equal to transformers'; a bad prompt anywhere refuses the whole call
+    before any part of it runs."""
+    t, d = llama_pair
+    r = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                  dtype="float32", max_model_len=MAX_LEN, max_pending=4, colocate=True))
+    try:
+        ps = some_prompts(11)
+        outs = r.generate(ps, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=True)
+        assert [o.prompt_token_ids for o in outs] == ps
+        assert [o.token_ids for o in outs] == hf_greedy(t, ps, 6)
+        assert r.metrics()["num_requests_finished"] == 11
+        with pytest.raises(ValueError, match="request 9: prompt token id 97 is outside"):
+            r.generate(ps[:9] + [[1, 97]], SamplingParams(max_tokens=6))
+        assert r.metrics()["num_requests_finished"] == 11 and r.metrics()["num_requests_held"] == 0
+    finally:
+        r.shutdown()
+
+
+CONNECT = """
+import sys, time, warnings
+from specray import SpecRuntime
+t0 = time.monotonic()
+try:
+    SpecRuntime.connect(ray_address=sys.argv[1], timeout_s=2)
+except ValueError as e:
+    print("ValueError:", e)
+print("elapsed", time.monotonic() - t0)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    try:
+        SpecRuntime.connect(address=sys.argv[1], timeout_s=1)
+    except ValueError as e:
+        print("old name:", e, [str(x.message) for x in w])
+try:
+    SpecRuntime.connect(ray_address="127.0.0.1:1", address="127.0.0.1:2")
+except ValueError as e:
+    print("both:", e)
+"""
+
+
+def test_connect_to_a_wrong_address_fails_soon_with_a_clear_error(tmp_path):
+    """A closed port on this machine: no cluster answers. The wait is bounded by
+    timeout_s (Ray's own init would retry for minutes), and the error names ray_address."""
+    import os
+    import subprocess
+    import sys
+
+    from specray_testing import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, RAY_TMPDIR=str(tmp_path))
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.run([sys.executable, "-c", CONNECT, address], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"ValueError: ray_address '{address}': no Ray cluster answers at {address} within 2 s" in p.stdout
+    assert float(p.stdout.split("elapsed ")[1].split()[0]) < 60
+    assert f"old name: ray_address '{address}': no Ray cluster answers" in p.stdout
+    assert "deprecated: use ray_address=" in p.stdout
+    assert "both: give ray_address only" in p.stdout
+
+
+def test_auto_names_the_clusters_it_cannot_choose_between(monkeypatch):
+    from ray._private import services
+
+    from specray import ray_env
+
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"10.0.0.1:6379", "10.0.0.2:6379"})
+    with pytest.raises(ValueError, match=r"ray_address='auto': 2 Ray clusters run on this machine "
+                                         r"\(10.0.0.1:6379, 10.0.0.2:6379\)"):
+        ray_env.resolve("auto")
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: set())
+    with pytest.raises(ValueError, match="no Ray cluster runs on this machine"):
+        ray_env.resolve("auto")
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"10.0.0.3:6379"})
+    assert ray_env.resolve("auto") == "10.0.0.3:6379" and ray_env.resolve("h:1") == "h:1"
+    with pytest.raises(ValueError, match="is a dashboard URL"):
+        ray_env.join("http://127.0.0.1:8265", None, 1)
+    with pytest.raises(ValueError, match="not host:port"):
+        ray_env.wait_reachable("nohost", 1)
