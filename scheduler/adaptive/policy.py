@@ -9,13 +9,13 @@ second of step time).
   ``m = max k_i`` (the draft's passes) ``LevelChoices`` finds the choice with the most
   expected tokens per second, and the best level wins, which may be 0 (speculation off).
 - On against off for the whole batch is checked against measured step times
-  (``GoodputSwitch``), and levels against each other (``LevelCorrection``, with trial
-  steps at other levels now and then).
+  (``GoodputSwitch``); now and then a step runs another speculating level, so the cost
+  model sees several.
 - A sequence alone proposes up to ``max_speculative_tokens`` and its draft stops once
   the calibrated chance that all its proposals so far pass (``ConfidenceCalibration``)
   times its rate falls below what one more proposal costs.
-- A sequence whose draft keeps failing drops to 0 and is probed with one token now and
-  then, backing off after failed probes.
+- A sequence whose draft keeps failing drops to 0; it proposes again only when the
+  draft's rate across sequences, which its shrunk rate leans on, recovers.
 
 Invariants: ``decide`` never returns more than a cap, nor more than k for a batch of two
 or more; where a draft stops depends only on proposals already drawn, so output keeps
@@ -31,7 +31,6 @@ from specray.scheduler.adaptive.config import AdaptiveConfig
 from specray.scheduler.adaptive.draft_confidence import ConfidenceCalibration
 from specray.scheduler.adaptive.goodput_switch import GoodputSwitch
 from specray.scheduler.adaptive.level_choice import LevelChoices
-from specray.scheduler.adaptive.level_correction import LevelCorrection
 from specray.scheduler.adaptive.step_cost import StepCostModel, StepPrice, batch_bucket
 from specray.scheduler.speculation_policy import Decision, PolicyOutcome, PolicyView
 
@@ -50,11 +49,9 @@ class AdaptivePolicy:
     overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     depth: DepthCalibration = field(default_factory=DepthCalibration)
     spread: RateSpread = field(default_factory=RateSpread)
-    levels: LevelCorrection = field(default_factory=LevelCorrection)
     confidence: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     # seq id -> its acceptance estimate, from its first decision to its finish
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
-    _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
     # (batch bucket, level) -> (trial slots it waits between trials, the slot it is next
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
@@ -70,10 +67,6 @@ class AdaptivePolicy:
     # ((price, level correction state), per_level, best).
     _gains: tuple | None = None
     _levels: tuple | None = None
-
-    def __post_init__(self) -> None:
-        if not self.config.outlier_prior:
-            self.spread.outlier_share = 0.0
 
     # -- the policy interface --------------------------------------------------------
     def decide(self, view: PolicyView) -> Decision:
@@ -154,10 +147,9 @@ class AdaptivePolicy:
         price = self.cost.price(n, fed_tokens)
         # The level ranking also reads the level correction, which moves only when a
         # speculating step is observed: it renews the ranking, not the gains.
-        ranking = (price, self.levels.observations)
-        if self._levels is None or self._levels[0] != ranking:
+        if self._levels is None or self._levels[0] != price:
             per_level = LevelChoices(gains, price)
-            self._levels = (ranking, per_level, self._best_level(n, per_level))
+            self._levels = (price, per_level, self._best_level(per_level))
         per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
@@ -174,16 +166,6 @@ class AdaptivePolicy:
             # and a verified token, and the stop below prices them one by one, knowing the
             # draft's doubts. The rate-based choice would cut the same doubtful tail twice.
             chosen = list(caps)
-        self._calls += 1
-        if self.config.probes and self._calls % self.config.probe_interval == 0:
-            for i in range(n):
-                # Probe sequences that have gone quiet after failing, so a recovering draft
-                # is noticed. Not those that never proposed: the overall rate already
-                # speaks for them, and a first probe would cost the draft a whole prefill.
-                e = estimates[i]
-                if (chosen[i] == 0 and caps[i] > 0 and (e.accepted or e.rejected)
-                        and e.steps_without_proposal >= (e.quiet_limit or self.config.probe_interval)):
-                    chosen[i] = 1
         # The final choice's price, for the switch and the level correction to check.
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level, price)
                           if self.cost.fitted(n, any(chosen)) else None)
@@ -239,7 +221,7 @@ class AdaptivePolicy:
         rates = self._rates([AcceptanceEstimate()]) * n
         price = self.cost.price(n, n)
         per_level = LevelChoices(self._depth().gains(rates, [cap] * n), price)
-        best = self._best_level(n, per_level)
+        best = self._best_level(per_level)
         figure = per_level.rates
         if not best or not self._speculate(n, figure[best], figure[0], trial=False):
             return 0
@@ -284,17 +266,11 @@ class AdaptivePolicy:
         if seconds > 0:
             predicted = expected[1] if longest is None else expected[3].time(proposed, longest)
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, predicted)
-            if proposed and self.config.level_correction:
-                self.levels.observe(num_seqs, expected[2], seconds, predicted)
 
     def observe_sequence(self, estimate: AcceptanceEstimate, proposed: int, accepted: int,
                          confidence: list[float] | None = None) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one;
         ``confidence``: the draft's probability of each proposal, when it reported them."""
-        if proposed and estimate.steps_without_proposal >= (estimate.quiet_limit or self.config.probe_interval):
-            # This was a probe: back off after a failure, come back fully after a success.
-            limit = estimate.quiet_limit or self.config.probe_interval
-            estimate.quiet_limit = self.config.probe_interval if accepted else min(2 * limit, self.config.max_probe_interval)
         if proposed:
             # What the choice assumed: this sequence's rate before this outcome (computed
             # now for a proposal no rate-based choice made: a newcomer's). A static policy
@@ -332,16 +308,11 @@ class AdaptivePolicy:
         recent rate across sequences as far as sequences have been seen to differ."""
         return self.spread.rates(estimates, self.overall.rate(self.config.prior_acceptance))
 
-    def _best_level(self, num_seqs: int, per_level: LevelChoices) -> int:
-        """The speculating level whose figure, as measured to hold up, is best (0 when
-        none is possible). On against off is left to the switch, which gets the model's
-        own figure for this level."""
-        speculating = [m for m in per_level.rates if m]
-        if not speculating:
-            return 0
-        factors = self.levels.factors(num_seqs, speculating) if self.config.level_correction else \
-            dict.fromkeys(speculating, 1.0)
-        return max(speculating, key=lambda m: per_level.rates[m] * factors[m])
+    @staticmethod
+    def _best_level(per_level: LevelChoices) -> int:
+        """The speculating level with the best expected goodput (0 when none is possible).
+        On against off is left to the switch, which gets the model's figure for this level."""
+        return max((m for m in per_level.rates if m), key=lambda m: per_level.rates[m], default=0)
 
     def _explore_levels(self, num_seqs: int, best: int, per_level: LevelChoices) -> int:
         """The best speculating level, or in a trial slot another one."""
