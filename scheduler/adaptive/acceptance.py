@@ -104,20 +104,17 @@ class RateSpread:
 class DepthCalibration:
     """How far a sequence's acceptance rate ``a_i`` misjudges its deeper proposals.
 
-    ``a_i^j`` assumes each proposal is accepted independently. Measured on the built-in
-    pair, acceptance given the previous one was accepted climbs with depth (0.69, 0.77,
-    0.80, 0.81 for positions 1-4: easy stretches of text are easy for several tokens), so
-    ``a^j`` undervalues the 3rd and 4th proposals by a third or more and the policy would
-    trim proposals that pay. Two corrections, both from the runtime's own outcomes:
+    ``a_i^j`` assumes each proposal is accepted independently; in practice acceptance
+    given the previous one was accepted climbs with depth (easy stretches of text are easy
+    for several tokens), so ``a^j`` would undervalue deep proposals and the policy would
+    trim proposals that pay (figures in docs/adaptive-policy.md). Two corrections, both
+    from the runtime's own outcomes:
 
     - across sequences, per depth j, discounted sums of what the rate predicted for a
       reached j-th proposal (``a_i``) and what was accepted: their ratio ``lift_j``
       scales ``a_i`` at that depth. Kept apart for sequences whose previous proposal was
       accepted whole and the others: a rate that leans on recent steps over-reacts to the
-      last one (measured with ten-step memory and no shrinkage: after a whole acceptance
-      the next proposals passed 5-9 % less often than ``a_i`` said, after a rejection the
-      deeper ones 12-19 % more often); with shrinkage the two lifts should come closer,
-      and the calibration measures whatever is left;
+      last one; the calibration measures whatever is left;
     - per sequence, its own counts at depth j pull the calibrated ``a_i * lift_j``
       towards what that sequence did there (``sequence_weight`` pseudo-observations of
       the calibrated rate; the policy passes ``RateSpread.weight``, the same trust it

@@ -64,7 +64,7 @@ class AdaptivePolicy:
     # early stops), see min_reach.
     _break_even: float = 0.0
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
-    # ((price, level correction state), per_level, best).
+    # (price, per_level, best).
     _gains: tuple | None = None
     _levels: tuple | None = None
 
@@ -145,8 +145,7 @@ class AdaptivePolicy:
             self._levels = None
         rates, gains = self._gains[1:]
         price = self.cost.price(n, fed_tokens)
-        # The level ranking also reads the level correction, which moves only when a
-        # speculating step is observed: it renews the ranking, not the gains.
+        # A new price re-ranks the levels from the same gains.
         if self._levels is None or self._levels[0] != price:
             per_level = LevelChoices(gains, price)
             self._levels = (price, per_level, self._best_level(per_level))
@@ -166,7 +165,7 @@ class AdaptivePolicy:
             # and a verified token, and the stop below prices them one by one, knowing the
             # draft's doubts. The rate-based choice would cut the same doubtful tail twice.
             chosen = list(caps)
-        # The final choice's price, for the switch and the level correction to check.
+        # The final choice's price, for the switch to check.
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level, price)
                           if self.cost.fitted(n, any(chosen)) else None)
         if alone:
@@ -232,31 +231,22 @@ class AdaptivePolicy:
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,
                      draft_catch_up: int = 0, longest: int | None = None) -> None:
-        """A whole step's outcome, for the on/off switch and the level correction (which
-        counts only steps that ran a level the policy chose). Only decode steps count: a step
+        """A whole step's outcome, for the on/off switch. Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
-        speculation and would make whichever mode it ran in look slow. So does a step
-        whose batch is not the one the policy chose for (a preemption shrank it), and one
-        priced before its batch size had measurements of its own: the prior's or a
-        neighbour's price can be off several times over, the cost model soon corrects
-        itself from the same steps, and those ratios would linger in the switch's sums
-        (after a bench's first batch of 32, plain decoding there counted as 0.62 of what
-        the refitted model expects of it, for runs on end).
+        speculation and would make whichever mode it ran in look slow. So does a step whose
+        batch is not the one the policy chose for (a preemption shrank it), and one priced
+        before its batch size had measurements of its own: that price can be off several
+        times over, and the ratio would linger in the switch's sums.
 
         ``draft_catch_up``: tokens the draft was fed beyond the one per drafting sequence
         that the step's price assumes: mostly what it skipped while not proposing (a
         newcomer's whole context), plus the second token after a wholly accepted proposal.
         Their price comes off the step's time, so the measured time and the price describe
-        the same step. The catch-up is paid once when speculation resumes; left in, it made
-        the switch's every trial of speculation after a stretch of plain decoding look
-        slower than speculating runs (in the bench, batch 1 then decoded plain for most of
-        its steps: 1.6 accepted tokens per step against static k's 4.0).
+        the same step; left in, every trial of speculation after plain decoding looks slow.
 
         ``proposed`` and ``longest`` (None: as chosen) are what the drafts proposed: a
         draft that stopped early made a cheaper step than the one chosen, and it is priced
-        as made. Priced as chosen, a bad draft's stops (one proposal where four were
-        chosen) made every trial of speculation look faster than the model expects, and
-        the switch kept trying it."""
+        as made. (Measurements: docs/adaptive-policy.md.)"""
         expected, self._expected = self._expected, None
         if not (num_seqs and fed_tokens <= 2 * num_seqs
                 and expected is not None and expected[0] == num_seqs):
