@@ -387,7 +387,7 @@ def replay_bench(factories: dict, table: AcceptanceTable, batch_sizes: list[int]
 
 def policy_factory(kwargs: dict, stops: bool = True):
     """A factory of adaptive policies with ``kwargs``: ``AdaptiveConfig`` fields, and dotted
-    keys for a field of a component, e.g. ``{"levels.prior_steps": 4.0,
+    keys for a field of a component, e.g. ``{"spread.prior_weight": 4.0,
     "switch.explore_every": 32}``. ``stops``: whether the table replays drafts' early stops
     (it holds their probabilities). Without them a policy that counts on stops (a sequence
     alone proposing up to its cap) would replay as static k, so its policies choose by

@@ -76,7 +76,7 @@ class SpeculationConfig:
     draft_early_stop: bool = field(default=True, metadata={
         "help": "with --policy adaptive: a request alone's draft stops where a proposal stops paying"})
     policy_options: dict = field(default_factory=dict, metadata={
-        "help": "the policy's own settings, JSON (adaptive: AdaptiveConfig fields, e.g. '{\"probes\": false}')"})
+        "help": "the policy's own settings, JSON (adaptive: AdaptiveConfig fields, e.g. '{\"rate_spread\": false}')"})
     ngram_max: int = field(default=3, metadata={"help": "longest n-gram the prompt lookup matches"})
     ngram_min: int = field(default=1, metadata={"help": "shortest n-gram the prompt lookup matches"})
 

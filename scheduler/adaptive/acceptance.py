@@ -4,7 +4,6 @@ what they predict for deeper proposals against what was accepted."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -17,8 +16,6 @@ class AcceptanceEstimate:
 
     accepted: float = 0.0
     rejected: float = 0.0
-    steps_without_proposal: int = 0
-    quiet_limit: int = 0             # quiet steps before the next probe (0: the policy's base)
     reached: list[float] = field(default_factory=list)
     hits: list[float] = field(default_factory=list)
     last_full: bool = False          # its last proposal was accepted whole
@@ -30,9 +27,7 @@ class AcceptanceEstimate:
 
     def observe(self, proposed: int, accepted: int, decay: float) -> None:
         if proposed == 0:
-            self.steps_without_proposal += 1
             return
-        self.steps_without_proposal = 0
         self.last_full = accepted >= proposed
         self.accepted = self.accepted * decay + accepted
         self.rejected = self.rejected * decay + (1 if accepted < proposed else 0)
@@ -49,16 +44,13 @@ class RateSpread:
     """How far sequences' acceptance rates really differ, so that each one's own record
     is trusted as much as it deserves (empirical Bayes).
 
-    Measured on the built-in pair at batch 32 (k = 4, 128 tokens): per-sequence rates
-    range from 0.48 to 1.0 around 0.76, and a sequence's first half predicts its second
-    (correlation 0.85), yet one step's accepted count says nothing about the next (lag-1
-    correlation 0.01). A rate that leans on a sequence's last few steps chases noise: one
-    early rejection made ``a_i`` 0.375, dropped the sequence to k = 0, and kept it there
-    until a probe. Treating each sequence's rate as drawn from a beta distribution around
-    the draft's overall rate, the posterior mean is the sequence's counts plus ``weight``
+    Each sequence's rate is taken as drawn from a beta distribution around the draft's
+    overall rate; the posterior mean is the sequence's counts plus ``weight``
     pseudo-proposals at the overall rate, where ``weight = 1 / rho - 1`` and ``rho`` is the
     intra-sequence correlation: near 0 when sequences are alike (their own noise is then
-    mostly luck, so lean on the overall rate), near 1 when they differ a lot.
+    mostly luck, so lean on the overall rate), near 1 when they differ a lot. Why: one
+    step's accepted count says little about the next, so a sequence's last few steps alone
+    chase noise (measurements in docs/adaptive-policy.md).
 
     ``rho`` comes from the batch's cross-section by the method of moments for the
     beta-binomial with unequal counts (``n_i`` proposals reached, ``A_i`` accepted, ``p``
@@ -67,34 +59,11 @@ class RateSpread:
         E[S] = p (1 - p) [(m - 1) + rho (N - sum n_i^2 / N - (m - 1))]
 
     summed over steps with a discount (each step's batch is one more look at the same
-    population; at batch 1 there is no cross-section and the history speaks).
-
-    One beta distribution has thin tails, and real prompts do not: among the 32 above,
-    two accepted every proposal, four standard deviations above the rest. Under the beta
-    alone such a sequence is trusted only after dozens of proposals (at batch 1 in the
-    bench, one kept proposing 2 tokens, all accepted, for a whole run). So the prior is a
-    mixture: the fitted beta, and with ``outlier_share`` an easy-text prior, Beta(``outlier_a``,
-    1), whose density rises as ``a^(outlier_a - 1)`` towards 1. A record the bulk explains
-    keeps the bulk's shrinkage; an all-accepting one (the marginal likelihood of its counts
-    under the easy-text prior wins) is soon taken at its word.
-
-    The tail is one-sided because the measured one is: the lowest of the 32 rates, 0.48,
-    sits inside the bulk. A flat outlier prior gave rates near 0 as much weight as rates
-    near 1, so two or three rejections at a request's start (luck, for a sequence at
-    0.65) read as a hopeless draft and the sequence went plain: replayed at batch 1 on
-    the 32 prompts without noise, two requests decoded plain for most of their steps and
-    a third for ten of its 34 (one at 0.72 of its best fixed k), and adaptive came to
-    0.929 of each prompt's best fixed k; with the one-sided tail none did, and 0.941.
-    Three straight rejections now leave a sequence of a 0.67 draft at 0.60 (flat: 0.45).
-    A draft that cannot follow any text still falls to k = 0 within a few steps (the
-    draft's overall rate drops with it); one that fails a single text among good ones
-    is below 0.5 after seven straight rejections."""
+    population; at batch 1 there is no cross-section and the history speaks)."""
 
     decay: float = 0.99
     # Before any cross-section: as if sequences were moderately alike (weight 15).
     prior_weight: float = 15.0
-    outlier_share: float = 0.1
-    outlier_a: float = 4.0           # the easy-text prior: Beta(outlier_a, 1), mean 0.8
     observations: int = 0            # cross-sections counted so far
     _num: float = 0.0
     _den: float = 0.0
@@ -118,25 +87,10 @@ class RateSpread:
 
     def rates(self, estimates: list[AcceptanceEstimate], overall: float) -> list[float]:
         """The posterior mean of each sequence's acceptance rate given its counts, under
-        the mixture prior centred on the draft's ``overall`` rate."""
+        the beta prior centred on the draft's ``overall`` rate."""
         w = max(self.weight, 0.5)
         mean = min(max(overall, 1e-3), 1.0 - 1e-3)
-        a0, b0 = mean * w, (1.0 - mean) * w
-        share, ea = self.outlier_share, self.outlier_a
-        # log of each prior's marginal likelihood of the counts (the binomial coefficient
-        # is common to both and cancels)
-        log_prior = (_log_beta(a0, b0) - _log_beta(ea, 1.0) + math.log(share / (1.0 - share))) if share > 0.0 else 0.0
-        out = []
-        for e in estimates:
-            a, r = e.accepted, e.rejected
-            bulk = (a + a0) / (a + r + w)
-            if a + r == 0 or share <= 0.0:
-                out.append(bulk)
-                continue
-            log_odds = _log_beta(a + ea, r + 1.0) - _log_beta(a + a0, r + b0) + log_prior
-            easy_share = 1.0 / (1.0 + math.exp(-min(50.0, log_odds)))
-            out.append(bulk + easy_share * ((a + ea) / (a + r + ea + 1.0) - bulk))
-        return out
+        return [(e.accepted + mean * w) / (e.accepted + e.rejected + w) for e in estimates]
 
     @property
     def weight(self) -> float:
@@ -146,28 +100,21 @@ class RateSpread:
         return 1.0 / min(1.0, max(rho, 0.01)) - 1.0
 
 
-def _log_beta(x: float, y: float) -> float:
-    return math.lgamma(x) + math.lgamma(y) - math.lgamma(x + y)
-
-
 @dataclass
 class DepthCalibration:
     """How far a sequence's acceptance rate ``a_i`` misjudges its deeper proposals.
 
-    ``a_i^j`` assumes each proposal is accepted independently. Measured on the built-in
-    pair, acceptance given the previous one was accepted climbs with depth (0.69, 0.77,
-    0.80, 0.81 for positions 1-4: easy stretches of text are easy for several tokens), so
-    ``a^j`` undervalues the 3rd and 4th proposals by a third or more and the policy would
-    trim proposals that pay. Two corrections, both from the runtime's own outcomes:
+    ``a_i^j`` assumes each proposal is accepted independently; in practice acceptance
+    given the previous one was accepted climbs with depth (easy stretches of text are easy
+    for several tokens), so ``a^j`` would undervalue deep proposals and the policy would
+    trim proposals that pay (figures in docs/adaptive-policy.md). Two corrections, both
+    from the runtime's own outcomes:
 
     - across sequences, per depth j, discounted sums of what the rate predicted for a
       reached j-th proposal (``a_i``) and what was accepted: their ratio ``lift_j``
       scales ``a_i`` at that depth. Kept apart for sequences whose previous proposal was
       accepted whole and the others: a rate that leans on recent steps over-reacts to the
-      last one (measured with ten-step memory and no shrinkage: after a whole acceptance
-      the next proposals passed 5-9 % less often than ``a_i`` said, after a rejection the
-      deeper ones 12-19 % more often); with shrinkage the two lifts should come closer,
-      and the calibration measures whatever is left;
+      last one; the calibration measures whatever is left;
     - per sequence, its own counts at depth j pull the calibrated ``a_i * lift_j``
       towards what that sequence did there (``sequence_weight`` pseudo-observations of
       the calibrated rate; the policy passes ``RateSpread.weight``, the same trust it

@@ -1,4 +1,6 @@
-"""The adaptive policy's own configuration."""
+"""The adaptive policy's own configuration. Each mechanism that has a switch here earned
+its place in a paired bench (docs/adaptive-policy.md); the switch lets a bench run the
+policy without it."""
 
 from __future__ import annotations
 
@@ -17,18 +19,13 @@ class AdaptiveConfig:
     prior_acceptance: float = 0.6
     decay: float = 0.98                   # a sequence's last fifty-odd steps count
     overall_decay: float = 0.99           # about the last hundred, across sequences
-    probe_interval: int = 16
-    max_probe_interval: int = 256
     explore_levels_every: int = 16        # 0: never run another level
     max_level_wait: int = 8               # trial slots between a losing level's trials, at most
     # Each mechanism on its own, so a bench can run the policy without it.
     measured_switch: bool = True          # on against off as measured (GoodputSwitch), not the model alone
-    level_correction: bool = True         # levels compared as measured (LevelCorrection)
     depth_calibration: bool = True        # deeper proposals' gains as measured (DepthCalibration)
     rate_spread: bool = True              # trust in a sequence's record as measured (RateSpread)
-    outlier_prior: bool = True            # an easy-text tail in the rates' prior (RateSpread.outlier_share)
     calibrate_confidence: bool = True     # the draft's probabilities as measured (ConfidenceCalibration)
-    probes: bool = True                   # quiet sequences are probed with one proposal now and then
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -43,8 +40,6 @@ class AdaptiveConfig:
         for f in dataclasses.fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
-        if self.probe_interval < 1:
-            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
 
     @property
     def lookahead(self) -> int:

@@ -1,10 +1,9 @@
 """How often the target accepts a proposal, by the draft's own probability of it.
 
-A draft model is not calibrated against its target. On the built-in pair (32 held-out
-prompts, greedy), proposals the draft gave 0.1-0.2 were accepted 28 % of the time, 0.2-0.3
-53 %, 0.5-0.6 70 % and 0.6-0.7 89 %: read as probabilities, the draft's figures would stop
-good proposals early. The calibration is measured online, from every proposal the target
-looked at, and travels to the draft worker as ``StepPlan.reach_map``.
+A draft model is not calibrated against its target: read as probabilities, the draft's
+figures would stop good proposals early (figures in docs/adaptive-policy.md). The
+calibration is measured online, from every proposal the target looked at, and travels to
+the draft worker as ``StepPlan.reach_map``.
 """
 
 from __future__ import annotations

@@ -21,27 +21,21 @@ class GoodputSwitch:
 
     Only time is checked. What a step emits is the acceptance estimates' business, per
     sequence; a bucket's ratio of emitted to expected tokens would mostly say which
-    sequences happened to run at that size. A batch drains to its slowest acceptors, which
-    emit less than even their own estimates expect (replayed at batch 1: the median step
-    of a drained batch of 8 or 32 delivered 0.85 and 0.59 of the goodput the model
-    expected of it, a batch-1 request's 1.09), and a speculating correction made of them
-    kept 9 of 32 batch-1 requests on different prompts decoding mostly plain after a few
-    unlucky first steps (3 of 32 judging time alone).
+    sequences happened to run at that size: a batch drains to its slowest acceptors, and a
+    correction made of them keeps later requests plain (docs/adaptive-policy.md).
 
     Now and then one step runs the other mode, so its correction stays current (the
     machine's load and the batch's lengths drift): after ``explore_every`` steps; each
     trial whose step did worse than the leader's corrected figure doubles the wait, up to
     ``max_explore_every``, and one that did better brings the next trial back soon. A
     trial's time comes without the draft's catch-up on what it skipped (see
-    ``SpeculationPolicy.observe_step``). A trial step weighs like any other: at small
+    ``AdaptivePolicy.observe_step``). A trial step weighs like any other: at small
     batch one step's tokens swing from 1 to k+1, and a single unlucky step must not flip
     the mode.
 
-    The machine's speed drifts, for both modes alike (on the 2-core CPU, step times moved
-    by 30 % within a minute), and the mode not running is measured only in its trials.
-    Its own sums would compare a trial from a fast spell with the leader's steps in a slow
-    one: a correction of 0.79 left from a slow spell kept batch 1 decoding plain for whole
-    requests while speculation ran 1.4 times faster. So a trial is judged paired: its
+    The machine's speed drifts, for both modes alike, and the mode not running is measured
+    only in its trials. Its own sums would compare a trial from a fast spell with the
+    leader's steps in a slow one. So a trial is judged paired: its
     ratio against the leader's ratio of the moment (``pair_decay``: how fast older pairs
     fade), and the other mode's correction is the leader's current one times that
     relative figure. A slowdown of the leader alone is then read as the machine's, until

@@ -21,12 +21,6 @@ class LevelChoices:
     while the next token still pays. So ``U`` once per level, and per candidate ``s`` a
     few tokens past it.
 
-    An earlier rule kept the best prefix of the order that reached depth m: a sequence
-    deep in that order could cost a handful of other tokens before it, where another
-    sequence's chain reached m alone. Against all choices enumerated on small batches it
-    undervalued levels by up to 3 % with a verified token at 5 % of a plain step's price,
-    and up to 15 % at 20 %.
-
     Each level's k_i are built only when asked for (a step runs one level), once. A
     sequence alone reaches level m only by proposing m: its rates are running sums,
     without the search (it runs on every step of a batch-1 request)."""
@@ -85,7 +79,7 @@ class LevelChoices:
                 self.rates[m], self._picks[m] = best[0], (cands, best[1], best[2])
 
     def ks(self, m: int) -> list[int]:
-        """Level m's k_i, a fresh list (the caller may add probes to it). Built once per
+        """Level m's k_i, a fresh list (the caller may change it). Built once per
         level: the policy keeps these choices across steps while nothing they read moves."""
         if m not in self._ks:
             out = [0] * self.num_seqs

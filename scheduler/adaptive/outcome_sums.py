@@ -8,8 +8,7 @@ class OutcomeSums(dict):
     measured and predicted times, each key's sums decaying per observation of that key (a
     key seen seldom keeps its last few steps). Their ratio, predicted over measured, says
     how much faster than the model's figure that key's steps run (a factor for its
-    goodput): the on/off switch keys them by (bucket, speculating), the level correction
-    by (bucket, level)."""
+    goodput): the on/off switch keys them by (bucket, speculating)."""
 
     def __init__(self, decay: float) -> None:
         super().__init__()

