@@ -32,6 +32,10 @@ class ModelRunner:
             self.config, cfg.block_size, self.dtype, self.device, self.max_model_len, cfg.max_num_seqs)
         self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.native = self._select_executor(cfg.executor)
+        if self.native is not None:
+            # The native executor holds its own fused, transposed copies: drop the modules so
+            # the weights are not held twice.
+            self.model = None
 
     def _select_executor(self, choice: str):
         """specray's own executor for the families it covers, else transformers' modules."""
