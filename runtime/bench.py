@@ -37,6 +37,7 @@ class BenchSettings:
     temperature: float = 0.8          # for the sampled runs
     device: str = ModelConfig.device
     dtype: str = ModelConfig.dtype
+    executor: str = ModelConfig.executor      # specray's forward path (native or transformers)
     out_dir: str = "bench_out"
     prompt_bytes: int = 160
     block_size: int = CacheConfig.block_size
@@ -271,8 +272,8 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive" and options.pop("stop_early", True)
     return RuntimeConfig(
         target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
-        num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, block_size=s.block_size,
-        max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+        num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
+        block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
         draft_early_stop=stops, max_speculative_tokens=options.pop("max_speculative_tokens", s.max_speculative_tokens)
         if stops else None, policy_options=options, colocate=s.colocate, compiled_graph=s.compiled_graph, **resources)
 

@@ -57,7 +57,7 @@ def cmd_bench(args) -> int:
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
                       draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
-                      prompt_set=args.prompts)
+                      prompt_set=args.prompts, executor=args.executor)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     for spec in args.adaptive_variant:
         name, _, options = spec.partition("=")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
     add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "colocate",
-                            "compiled_graph", "draft_early_stop", "max_speculative_tokens"))
+                            "compiled_graph", "draft_early_stop", "max_speculative_tokens", "executor"))
     b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)

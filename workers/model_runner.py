@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 
 import torch
 
 from specray.scheduler.messages import StepPlan
-from specray.workers import model_loader
+from specray.workers import llama_model, model_loader
 from specray.workers.kv_cache import KVCache, default_num_blocks
 from specray.workers.paged_attention import build_metadata
-from specray.workers.worker_config import PlanError, WorkerConfig
+from specray.workers.worker_config import EXECUTORS, PlanError, WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -28,6 +31,29 @@ class ModelRunner:
         num_blocks = cfg.num_kv_blocks or default_num_blocks(
             self.config, cfg.block_size, self.dtype, self.device, self.max_model_len, cfg.max_num_seqs)
         self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.native = self._select_executor(cfg.executor)
+        if self.native is not None:
+            # The native executor holds its own fused, transposed copies: drop the modules so
+            # the weights are not held twice.
+            self.model = None
+
+    def _select_executor(self, choice: str):
+        """specray's own executor for the families it covers, else transformers' modules."""
+        if choice not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {choice!r}")
+        why = "executor='transformers'" if choice == "transformers" else llama_model.supports(self.model)
+        if why and choice == "native":
+            raise ValueError(f"executor='native' cannot run {self.cfg.model}: {why}")
+        if why:
+            log.info("specray executor: %s runs on the transformers path (%s)", self.cfg.model, why)
+            return None
+        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len)
+        log.info("specray executor: %s runs on the native %s executor", self.cfg.model, self.config.model_type)
+        return native
+
+    @property
+    def executor(self) -> str:
+        return "transformers" if self.native is None else "native"
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +91,8 @@ class ModelRunner:
         logits_index: [m] packed rows whose logits are wanted. Returns float32 [m, V]."""
         meta, positions = build_metadata(self.kv.layers, self.kv.tables(seq_ids), num_computed, num_new,
                                          self.kv.block_size, self.device)
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, meta, logits_index).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                          use_cache=False, logits_to_keep=logits_index, specray_meta=meta)
         return out.logits[0].float()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from specray.scheduler.config import CacheConfig, check_choice, check_int
 
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class ModelConfig:
         "help": "auto (the checkpoint's on CUDA, float32 on CPU), float32, bfloat16 or float16"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window (default: the target's max_position_embeddings)"})
+    executor: str = field(default="auto", metadata={
+        "help": "forward path: auto (specray's own for Llama/Mistral/Qwen2/Qwen3, else transformers), "
+                "native (refuse other models) or transformers", "choices": EXECUTORS})
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -33,6 +37,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be a string, got {self.dtype!r}")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
+        check_choice("executor", self.executor, EXECUTORS)
 
 
 @dataclass
@@ -48,6 +53,7 @@ class WorkerConfig:
     # target's sequences. Read by the worker, so the driver can start workers before it
     # has loaded any config itself.
     window_of: str | None = None
+    executor: str = "auto"   # see ModelConfig.executor
 
     @classmethod
     def target_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
@@ -61,7 +67,8 @@ class WorkerConfig:
     def _of(cls, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None) -> "WorkerConfig":
         return cls(path, dtype=model.dtype, device=model.device, block_size=cache.block_size,
                    num_kv_blocks=cache.num_kv_blocks, max_model_len=model.max_model_len,
-                   max_num_seqs=cache.max_num_seqs, window_of=window_of)
+                   max_num_seqs=cache.max_num_seqs, window_of=window_of,
+                   executor=model.executor)
 
 
 class StaleCacheError(RuntimeError):

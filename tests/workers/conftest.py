@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specray.scheduler.messages import StepPlan
 
@@ -18,7 +18,7 @@ VOCAB = 96
 _BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
              initializer_range=0.25, tie_word_embeddings=False)
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}
 
 
 def _build(path, kind: str, seed: int, overrides: dict) -> None:
@@ -34,7 +34,7 @@ def tiny_model(tmp_path_factory):
     cache: dict = {}
 
     def make(kind: str = "llama", seed: int = 0, **overrides) -> str:
-        key = (kind, seed, tuple(sorted(overrides.items())))
+        key = (kind, seed, repr(sorted(overrides.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"{kind}_{seed}")
             _build(path, kind, seed, overrides)

@@ -1,0 +1,84 @@
+"""Per-forward time of the native executor and the transformers path, side by side.
+
+    python benchmarks/executor_forward.py [--model DIR] [--device cpu] [--dtype auto]
+                                          [--batch-sizes 1,32] [--context 64] [--repeats 200]
+
+For each batch size: one ModelRunner per executor over the same checkpoint and the same
+paged cache layout; every sequence is prefilled with ``--context`` tokens, then the
+decode (1 token per sequence) and verify-shaped (k+1 = 5 tokens per sequence) forwards
+are timed, interleaving the two executors so shared-CPU noise hits both alike. Prints
+median milliseconds per forward and the ratio (transformers / native), plus the largest
+logit difference between the two paths on the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    import torch
+
+    from specray.cli_args import builtin_model
+    from specray.scheduler.messages import StepPlan
+    from specray.workers.model_runner import ModelRunner
+    from specray.workers.worker_config import WorkerConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=builtin_model("tiny-target"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    def plan(sids, comp, new, toks):
+        n = len(sids)
+        return StepPlan(step_id=0, k=0, seq_ids=sids, num_computed=comp, num_new=new, token_ids=toks,
+                        num_slots=[c + q for c, q in zip(comp, new)], proposal_lens=[0] * n,
+                        proposal_token_ids=[], draft_rows=[], temperature=[0.0] * n, top_k=[0] * n,
+                        top_p=[1.0] * n, seeds=[0] * n, free_seq_ids=[])
+
+    print(f"{'batch':>5} {'step':>7} {'native ms':>10} {'hf ms':>8} {'ratio':>6} {'max|dlogit|':>11}")
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        runners = {ex: ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                                max_num_seqs=b, executor=ex)) for ex in ("native", "transformers")}
+        g = torch.Generator().manual_seed(0)
+        sids = list(range(b))
+        vocab = runners["native"].vocab_size
+        toks = torch.randint(0, vocab, (b * args.context,), generator=g).tolist()
+        for r in runners.values():
+            r.kv.apply(plan(sids, [0] * b, [args.context] * b, toks))
+            r.forward(sids, [0] * b, [args.context] * b, r.to_device(toks), r.to_device([args.context - 1]))
+        for name, q in (("decode", 1), ("verify", 5)):
+            times = {ex: [] for ex in runners}
+            outs = {}
+            comp = [args.context] * b
+            toks = torch.randint(0, vocab, (b * q,), generator=g).tolist()
+            for rep in range(args.repeats):
+                for ex, r in runners.items():
+                    r.kv.apply(plan(sids, comp, [q] * b, toks))
+                    ids, idx = r.to_device(toks), r.to_device(list(range(b * q)))
+                    if r.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    outs[ex] = r.forward(sids, comp, [q] * b, ids, idx)
+                    if r.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times[ex].append(time.perf_counter() - t0)
+            nat, hf = (statistics.median(times[e]) * 1e3 for e in ("native", "transformers"))
+            diff = (outs["native"] - outs["transformers"]).abs().max().item()
+            print(f"{b:>5} {name:>7} {nat:>10.3f} {hf:>8.3f} {hf / nat:>6.2f} {diff:>11.2e}")
+
+
+if __name__ == "__main__":
+    main()
