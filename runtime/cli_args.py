@@ -51,7 +51,7 @@ def add_field_arg(p, f: dataclasses.Field, **override) -> None:
     flags = meta.get("flags", ("--" + f.name.replace("_", "-"),))
     default = _default(f)
     kw = dict(dest=f.name, default=default, help=meta.get("help", ""))
-    if isinstance(default, bool) or str(f.type).startswith("bool"):
+    if isinstance(default, bool):
         kw["action"] = argparse.BooleanOptionalAction
     else:
         kw["type"] = _value_type(f)

@@ -120,8 +120,6 @@ class RuntimeConfig:
             raise ValueError("draft must be set when proposer='draft'")
         if proposer != "draft" and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
-        if self.speculation.overlap and self.cluster.compiled_graph:
-            raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: a flat field name reads its section's value.
@@ -140,15 +138,6 @@ class RuntimeConfig:
     @property
     def k(self) -> int:
         return self.speculation.k
-
-    @property
-    def overlapped(self) -> bool:
-        """``overlap`` in force: by default on where a draft model runs in worker actors of
-        its own (not co-located, not over compiled graphs)."""
-        spec, cluster = self.speculation, self.cluster
-        if spec.overlap is not None:
-            return spec.overlap and spec.proposer == "draft"
-        return spec.proposer == "draft" and not cluster.colocate and not cluster.compiled_graph
 
     @property
     def lookahead(self) -> int:

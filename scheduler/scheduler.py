@@ -45,9 +45,6 @@ class SchedulerConfig:
     max_speculative_tokens: int = 0       # the lookahead: the most any step proposes (0: no proposer)
     draft_max_len: int | None = None      # None: the proposer has no length limit (n-gram)
     cache: CacheConfig = CacheConfig()
-    # Draft plans reserve one slot more: a pre-draft runs the last proposal through the
-    # draft while the target verifies (overlap).
-    predraft: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_speculative_tokens, bool) or not isinstance(self.max_speculative_tokens, int) \
@@ -121,8 +118,7 @@ class Scheduler:
         n = seq.num_tokens
         target = self.target_pools[seq.target_rank]
         draft = self._draft_pool(seq)
-        extra = int(self.config.predraft)
-        if k > 0 and draft is not None and not _fits(draft, seq.seq_id, n + k - 1 + extra):
+        if k > 0 and draft is not None and not _fits(draft, seq.seq_id, n + k - 1):
             k = 0
         if not _fits(target, seq.seq_id, n + k):
             if k == 0 or not _fits(target, seq.seq_id, n):
@@ -130,7 +126,7 @@ class Scheduler:
             k = 0
         _resize(target, seq.seq_id, n + k)
         if k > 0 and draft is not None:
-            _resize(draft, seq.seq_id, n + k - 1 + extra)
+            _resize(draft, seq.seq_id, n + k - 1)
         return k
 
     def _preempt(self, seq: Sequence) -> None:
@@ -272,7 +268,7 @@ class Scheduler:
                 d = seq.draft_rank
                 if d_plans[d] is None:
                     d_plans[d] = StepPlan(step_id=sid, k=k_step)
-                _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1 + int(self.config.predraft), k)
+                _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
                 d_seqs[d].append(seq)
         # Floors under which a draft stops proposing early (StepPlan.min_reach); a single
         # proposal has nothing to stop early.
@@ -382,8 +378,6 @@ class Scheduler:
         stats.record_phases(outcome.draft_s, outcome.verify_s, outcome.merge_s, outcome.draft_compute_s,
                             outcome.verify_compute_s)
         stats.record_step(len(out), emitted_total, drafted, sum(v.accepted for v in verdicts), outcome.step_s)
-        stats.record_overlap(outcome.predrafted, outcome.predraft_used, outcome.predraft_dropped,
-                             outcome.draft_hidden_s)
         if self.k:
             dplans = [p for p in step.draft_plans if p is not None]
             self.policy.observe(PolicyOutcome(
