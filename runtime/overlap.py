@@ -9,7 +9,9 @@ without overlap, and the pre-draft is dropped.
 
 Pre-drafting pays only when a step is likely to use it: the book keeps the share of
 sequences whose branch held, and a draft plan of ``n`` sequences is pre-drafted only while
-that share to the ``n``-th power (every sequence holds) is at least ``min_use``.
+that share to the ``n``-th power (every sequence holds) is at least ``min_use``. While it
+is not, the share drifts back toward its prior, so a runtime whose early windows missed
+probes again later instead of never pre-drafting.
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ class Taken:
 @dataclass
 class PredraftBook:
     min_use: float = 0.5
-    hit_rate: float = 0.7         # share of sequences whose branch held (prior before any)
+    prior: float = 0.7            # share of sequences whose branch holds, before any is seen
+    hit_rate: float = 0.7         # share of sequences whose branch held
     decay: float = 0.95
     pending: dict[int, tuple[Predraft, Any]] = field(default_factory=dict)   # draft rank -> pre-draft
 
     def wanted(self, plan: StepPlan) -> bool:
         """Whether pre-drafting the outcomes of this draft plan's window is worth its work."""
         n = plan.num_seqs
-        return n > 0 and plan.k > 0 and self.hit_rate ** n >= self.min_use
+        if n > 0 and plan.k > 0 and self.hit_rate ** n >= self.min_use:
+            return True
+        self.hit_rate += (1.0 - self.decay) * (self.prior - self.hit_rate)
+        return False
 
     def take(self, rank: int, plan: StepPlan) -> tuple[Taken | None, int]:
         """The pre-drafted proposals for ``plan`` when every sequence's branch holds, and
