@@ -49,3 +49,45 @@ def test_branches_names_each_sequences_branch_where_match_takes_all_or_none():
     assert branches(plan, pre) == [1, 4, None]
     assert match(plan, pre) is None
     assert branches(plan_for([], [], [], []), pre) == []
+
+
+def test_a_window_is_the_branch_cut_to_the_plan_and_its_early_stop():
+    pre = predraft()
+    plan = plan_for([7, 8], [10, 20], [[9], [1]], [2, 2])
+    got = window(plan, pre, [0, 4])
+    assert got.proposal_lens == [2, 2] and got.token_ids == [1, 2, -1, 13, 14, -1]
+    assert got.confidence == [] and not got.has_probs
+    # A floor: 0.9 * 0.2 falls below 0.5 after the second proposal, which is kept.
+    floors = plan_for([7], [10], [[8]], [3], min_reach=[0.5], reach_map=[])
+    assert window(floors, pre, [1]).proposal_lens == [2]
+    assert stop_len([0.9, 0.2, 0.9], 3, 0.5, []) == 2 and stop_len([0.9, 0.2, 0.9], 3, 0.0, []) == 3
+    # Calibrated by decile: 0.2 reads as 1.0, nothing stops.
+    assert stop_len([0.9, 0.2, 0.9], 3, 0.5, [1.0] * 10) == 3
+
+
+def test_a_window_points_its_probabilities_at_the_branch_rows():
+    pre = predraft()
+    pre.has_probs = True
+    shard = window(plan_for([8, 7], [20, 11], [[1], [4]], [1, 3]), pre, [4, 2])
+    assert shard.prob_rows == [4, 2] and shard.num_prob_rows == 5
+    # Merged beside a shard of 2 rows that came first, rows index the concatenation.
+    from specray.scheduler.messages import Proposals
+
+    other = Proposals(step_id=2, k=3, has_probs=True, seq_ids=[1, 2], proposal_lens=[1, 1],
+                      token_ids=[5, -1, -1, 6, -1, -1])
+    merged = merge_proposals([7, 1, 8], 3, [other, shard])
+    assert merged.draft_rows == [2 + 2, 0, 2 + 4]
+
+
+def test_the_predraft_message_round_trips_and_refuses_what_does_not_add_up():
+    pre = predraft()
+    assert decode(encode(pre), expected=Predraft) == pre
+    bad = predraft()
+    bad.fed_lens = [1, 1, 1, 1, 1]
+    with pytest.raises(ProtocolError, match="fed_token_ids"):
+        decode(encode(bad), expected=Predraft)
+    bad = predraft()
+    bad.proposal_lens[0] = 4
+    with pytest.raises(ProtocolError, match="proposal_lens"):
+        decode(encode(bad), expected=Predraft)
+    assert math.isfinite(pre.compute_s)
