@@ -56,6 +56,9 @@ class BenchSettings:
     # adaptive one at every batch size: each mechanism's worth, measured side by side.
     variants: dict[str, dict] = field(default_factory=dict)
     prompt_set: str = "code"                  # bench_prompts.PROMPT_SETS
+    # Each draft policy also runs with overlap on (policy "<name>+overlap"), side by side
+    # with it off; not co-located (overlap needs draft actors of their own).
+    overlap: bool = True
 
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
@@ -86,6 +89,13 @@ class Run:
     # Per step (specray runs): where the time went, in ms; ``overhead`` is everything but
     # the workers' own compute.
     step_ms: dict[str, float] | None = None
+    overlap: bool = False              # draft actors pre-draft while the target verifies
+    # Overlap runs: windows pre-drafted, taken and dropped, and the draft time that ran
+    # behind verification, over all repeats.
+    predrafted: int = 0
+    predraft_used: int = 0
+    predraft_dropped: int = 0
+    draft_hidden_s: float = 0.0
 
     @property
     def key(self) -> tuple:
@@ -266,6 +276,7 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
     from specray.config import RuntimeConfig
 
+    policy, _, plus = policy.partition("+")
     policy, _, variant = policy.partition(":")
     options = dict(s.variants[variant]) if variant else {}
     # A variant may switch the early stops off as an option of its own.
@@ -275,7 +286,8 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
         block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
         draft_early_stop=stops, max_speculative_tokens=options.pop("max_speculative_tokens", s.max_speculative_tokens)
-        if stops else None, policy_options=options, colocate=s.colocate, compiled_graph=s.compiled_graph, **resources)
+        if stops else None, policy_options=options, colocate=s.colocate, compiled_graph=s.compiled_graph,
+        overlap=plus == "overlap", **resources)
 
 
 def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> list[int]:
@@ -305,6 +317,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
 
     drafts = ([("draft", pol, None) for pol in s.policies] + [("draft", f"adaptive:{name}", None) for name in s.variants]
               if s.draft else [])
+    if s.draft and s.overlap and not s.colocate and not s.compiled_graph:
+        drafts += [("draft", f"{pol}+overlap", None) for pol in s.policies]
     spec_configs = drafts + [("ngram", "static", None), ("none", "static", None)]
     sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k] if s.draft else []
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
@@ -323,6 +337,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
                  ("specray", "draft", 1, "sampled", s.policies[0], None)]
     runs = {key: Run(*key) for key in plan}
+    for run in runs.values():
+        run.overlap = run.policy.endswith("+overlap")
     check = OutputCheck()
     phase = {"draft_s": [], "verify_none_s": []}
     try:
@@ -356,6 +372,11 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     run.steps += steps
                     for key in PHASES.values():
                         run.phase_s[key] = run.phase_s.get(key, 0.0) + after[key] - before[key]
+                    run.predrafted += after["num_predrafted_windows"] - before["num_predrafted_windows"]
+                    run.predraft_used += after["num_predraft_windows_used"] - before["num_predraft_windows_used"]
+                    run.predraft_dropped += (after["num_predraft_windows_dropped"]
+                                             - before["num_predraft_windows_dropped"])
+                    run.draft_hidden_s += after["draft_hidden_s"] - before["draft_hidden_s"]
                     if b == 1 and mode == "greedy" and k is None and (proposer == "none" or policy == s.policies[0]):
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
@@ -424,7 +445,16 @@ def batch1_ratios(runs: dict) -> dict:
     def samples(system: str, proposer: str) -> list[float]:
         return runs[(system, proposer, 1, "greedy", "static", None)].samples
 
-    return {name: within_repeats(samples(*a), samples(*b)) for name, (a, b) in BATCH1_RATIOS.items()}
+    out = {name: within_repeats(samples(*a), samples(*b)) for name, (a, b) in BATCH1_RATIOS.items()}
+    # Overlap against the serial draft and against assisted generation, where both ran.
+    keys = {"draft": ("specray", "draft", 1, "greedy", "static", None),
+            "draft+overlap": ("specray", "draft", 1, "greedy", "static+overlap", None),
+            "hf assisted": ("hf", "assisted", 1, "greedy", "static", None)}
+    for a, b in (("draft+overlap", "draft"), ("draft+overlap", "hf assisted"), ("draft", "hf assisted")):
+        if keys[a] in runs and keys[b] in runs:
+            out[f"specray {a} / {'specray ' if b == 'draft' else ''}{b}"] = within_repeats(
+                runs[keys[a]].samples, runs[keys[b]].samples)
+    return out
 
 
 def run_order(plan: list[tuple], rep: int) -> list[tuple]:

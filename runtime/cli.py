@@ -57,7 +57,7 @@ def cmd_bench(args) -> int:
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
                       draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
-                      prompt_set=args.prompts, executor=args.executor)
+                      prompt_set=args.prompts, executor=args.executor, overlap=args.overlap)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     for spec in args.adaptive_variant:
         name, _, options = spec.partition("=")
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", default="code", choices=["code", "quote"],
                    help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
                         "paragraph the prompt quotes (where n-gram lookup pays)")
+    b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
+                        "while the target verifies); JSON: \"overlap\" on each run")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

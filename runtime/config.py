@@ -126,6 +126,8 @@ class RuntimeConfig:
             raise ValueError("draft must be set when proposer='draft'")
         if proposer != "draft" and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
+        if self.speculation.overlap and self.cluster.compiled_graph:
+            raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: a flat field name reads its section's value.
@@ -144,6 +146,13 @@ class RuntimeConfig:
     @property
     def k(self) -> int:
         return self.speculation.k
+
+    @property
+    def overlapped(self) -> bool:
+        """``overlap`` in force: asked for, with a draft model (n-gram proposals cost
+        nothing to hide), not co-located (in one process nothing would run beside the
+        verify: pre-drafts would only add work)."""
+        return self.speculation.overlap and self.speculation.proposer == "draft" and not self.cluster.colocate
 
     @property
     def lookahead(self) -> int:

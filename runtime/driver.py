@@ -79,14 +79,17 @@ class DriverCore:
                 _call_off(launch, cancel)
                 raise
             self.pool = launch.result()
+        # Pre-drafts run while the target verifies where draft workers are actors; in
+        # process (backend "local") they run in turn, computing the same windows.
+        overlap = config.overlapped
         sched_cfg = SchedulerConfig(target_max_len=self.max_model_len, max_speculative_tokens=config.lookahead,
-                                    draft_max_len=draft_len, cache=config.cache)
+                                    draft_max_len=draft_len, cache=config.cache, predraft=overlap)
         bs = config.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
         self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
                                    num_proposers=len(self.pool.proposers), policy=policy)
         self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
-                             config.target_down_timeout_s)
+                             config.target_down_timeout_s, overlap=overlap)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -319,7 +322,7 @@ class DriverCore:
                  # workers whose steps run over a compiled graph's channel right now
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
                  num_speculative_tokens=self.config.k, max_speculative_tokens=self.config.lookahead,
-                 proposer=self.config.proposer,
+                 proposer=self.config.proposer, overlap=self.engine.book is not None,
                  last_error=self._last_error)
         return m
 

@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable, Protocol
 
 from specray.scheduler.merge import attach, merge_proposals
-from specray.scheduler.messages import Proposals, StepPlan
+from specray.overlap import PredraftBook, Taken
+from specray.scheduler.messages import Predraft, Proposals, StepPlan
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import ScheduledStep, StepOutcome
@@ -32,6 +33,15 @@ class WorkerCall(Protocol):
     def gone(self) -> bool: ...
     def compiled(self) -> bool: ...
     def close(self) -> None: ...
+
+
+class PredraftCall(Protocol):
+    """A draft worker that can pre-draft while the target verifies. Its calls run in the
+    order submitted, each after the one before, and do not hold up the caller."""
+
+    def submit_predraft(self, step_id: int) -> Any: ...
+    def submit_adopt(self, plan: StepPlan, chosen: list[int]) -> Any: ...
+    def wait_predraft(self, handle: Any) -> tuple[Predraft, Any]: ...
 
 
 class LocalCall:
@@ -61,13 +71,16 @@ class LocalCall:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
-                 target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter) -> None:
+                 target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter,
+                 overlap: bool = False) -> None:
         """``proposers[r].wait`` yields ``(Proposals, probs handle)``; ``verifiers[r].wait``
         yields a ``StepResult``. When every target worker has been down for
         ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
-        times the phases (a replay passes a simulated one)."""
+        times the phases (a replay passes a simulated one). ``overlap``: draft workers that
+        are ``PredraftCall``s pre-draft the next window while the target verifies."""
         self.scheduler = scheduler
         self.clock = clock
+        self.book = PredraftBook() if overlap else None
         self.verifiers = verifiers
         self.proposers = proposers
         self.target_down_timeout_s = target_down_timeout_s
@@ -116,20 +129,78 @@ class Engine:
             self._check_recovered()
         step = self.scheduler.schedule()
         if step is None:
+            if self.book is not None:
+                self.book.drop()
             return []
         outcome = StepOutcome(step, [None] * len(step.target_plans), schedule_s=clock() - t0)
-        shards = self.propose(step, outcome)
+        taken = self._take(step, outcome)
+        shards = self.propose(step, outcome, skip=set(taken))
+        shards += [(t.proposals, t.probs) for t in taken.values()]
+        ahead = self._predraft(step, taken, outcome)
         self.verify(step, shards, outcome)
+        self._collect(ahead, outcome)
         outcome.step_s = clock() - t0
         return self.scheduler.update(outcome)
 
-    def propose(self, step: ScheduledStep, outcome: StepOutcome) -> list[tuple[Proposals, Any]]:
-        """Every draft worker at once; returns (proposals, probabilities handle) per shard."""
+    # -- overlap: pre-drafts taken, made and collected -----------------------------------
+    def _predrafting(self, r: int) -> bool:
+        return self.book is not None and hasattr(self.proposers[r], "submit_predraft")
+
+    def _take(self, step: ScheduledStep, outcome: StepOutcome) -> dict[int, Taken]:
+        """Draft plans whose every sequence a pre-draft already holds proposals for."""
+        taken: dict[int, Taken] = {}
+        if self.book is None:
+            return taken
+        for r, plan in enumerate(step.draft_plans):
+            if plan is None:
+                continue
+            got, dropped = self.book.take(r, plan)
+            outcome.predraft_dropped += dropped
+            if got is not None:
+                taken[r] = got
+                outcome.predraft_used += plan.num_seqs
+        self.book.drop()       # a pre-draft serves the step right after it, or none
+        return taken
+
+    def _predraft(self, step: ScheduledStep, taken: dict[int, Taken], outcome: StepOutcome) -> list[tuple[int, Any]]:
+        """Start each draft worker's pre-draft of this step's outcomes: with the branches
+        it adopted, or after the window it just proposed. They run while the target
+        verifies."""
+        ahead = []
+        for r, plan in enumerate(step.draft_plans):
+            if plan is None or not self._predrafting(r) or r in outcome.lost_drafts:
+                continue
+            call = self.proposers[r]
+            if r in taken:
+                ahead.append((r, call.submit_adopt(plan, taken[r].chosen)))
+            elif self.book.wanted(plan):
+                ahead.append((r, call.submit_predraft(plan.step_id)))
+        return ahead
+
+    def _collect(self, ahead: list[tuple[int, Any]], outcome: StepOutcome) -> None:
+        for r, h in ahead:
+            try:
+                pre, probs = self.proposers[r].wait_predraft(h)
+            except WorkerLost:
+                # A lost pre-draft: the next step drafts as without one. A lost adoption
+                # also lost what the worker cached: its sequences catch up from scratch.
+                outcome.lost_drafts.add(r)
+                continue
+            if pre.num_branches:
+                self.book.pending[r] = (pre, probs)
+                outcome.predrafted += len(set(pre.seq_ids))
+            outcome.draft_hidden_s = max(outcome.draft_hidden_s, min(pre.compute_s, outcome.verify_s))
+
+    def propose(self, step: ScheduledStep, outcome: StepOutcome, skip: set[int] = frozenset()
+                ) -> list[tuple[Proposals, Any]]:
+        """Every draft worker at once (but those in ``skip``); returns (proposals,
+        probabilities handle) per shard."""
         shards: list[tuple[Proposals, Any]] = []
-        if not any(p is not None for p in step.draft_plans):
+        if not any(p is not None for r, p in enumerate(step.draft_plans) if r not in skip):
             return shards
         t_draft = self.clock()
-        pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans) if p is not None]
+        pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans)
+                   if p is not None and r not in skip]
         for r, h in pending:
             try:
                 shards.append(self.proposers[r].wait(h))

@@ -45,6 +45,20 @@ class DraftWorker(_WorkerActor):
         return encode(proposals), (probs.cpu() if probs is not None else None)
 
 
+    @ray.method(num_returns=2)
+    def predraft_msg(self, step_id: int):
+        return self._predraft(self.worker.predraft(step_id))
+
+    @ray.method(num_returns=2)
+    def adopt_msg(self, data: bytes, chosen: list[int]):
+        return self._predraft(self.worker.adopt(decode(data, StepPlan, validate=False), chosen))
+
+    @staticmethod
+    def _predraft(got) -> tuple[bytes, object]:
+        pre, probs = got
+        return encode(pre), (probs.cpu() if probs is not None else None)
+
+
 class TargetWorker(_WorkerActor):
     def __init__(self, cfg: WorkerConfig) -> None:
         from specray.workers.target_worker import TargetWorker as Worker

@@ -18,7 +18,7 @@ from typing import Any
 from specray.compiled_channel import CompiledChannel
 from specray.config import RuntimeConfig
 from specray.engine import LocalCall, WorkerCall, WorkerLost
-from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
+from specray.scheduler.messages import Predraft, Proposals, StepPlan, StepResult, decode, encode
 from specray.workers.worker_config import StaleCacheError, WorkerConfig
 from specray.workers.ngram_proposer import NgramProposer
 
@@ -176,6 +176,39 @@ class RayPropose(_RayWorkerCall):
         return decode(self._get(ref), Proposals), probs_ref
 
 
+class RayPredraftPropose(RayPropose):
+    """A draft worker actor that also pre-drafts while the target verifies (overlap).
+    Actor calls: an actor runs them one after another, in the order submitted."""
+
+    def submit_predraft(self, step_id: int):
+        return self.actor.predraft_msg.remote(step_id)
+
+    def submit_adopt(self, plan: StepPlan, chosen: list[int]):
+        return self.actor.adopt_msg.remote(encode(plan), list(chosen))
+
+    def wait_predraft(self, handle):
+        ref, probs_ref = handle
+        return decode(self._get(ref), Predraft), probs_ref
+
+
+class LocalPredraftCall(LocalCall):
+    """An in-process draft worker that pre-drafts: the same calls as the actor's, run at
+    once (nothing overlaps in one thread; tests use it to check what overlap computes)."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker.propose)
+        self.worker = worker
+
+    def submit_predraft(self, step_id: int):
+        return self.worker.predraft(step_id)
+
+    def submit_adopt(self, plan: StepPlan, chosen: list[int]):
+        return self.worker.adopt(plan, chosen)
+
+    def wait_predraft(self, handle):
+        return handle
+
+
 class StartCancelled(Exception):
     """The start was called off (its driver refused the configuration) before it ended."""
 
@@ -235,7 +268,7 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         for _ in range(cfg.num_draft_workers):
             _check(cancel)
             drafts.append(DraftWorker(WorkerConfig.draft_of(cfg.model, cfg.cache)))
-        proposers = [LocalCall(d.propose) for d in drafts]
+        proposers = [LocalPredraftCall(d) if cfg.overlapped else LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
     elif cfg.proposer == "ngram":
         proposers = _ngram(cfg)
@@ -293,7 +326,8 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         raise
     restarts = cfg.max_worker_restarts
     verifiers = [RayVerify(a, restarts, cfg.compiled_graph) for a in targets]
-    remote_proposers = [RayPropose(a, restarts, cfg.compiled_graph) for a in drafts]
+    propose = RayPredraftPropose if cfg.overlapped else RayPropose
+    remote_proposers = [propose(a, restarts, cfg.compiled_graph) for a in drafts]
     proposers = remote_proposers or (_ngram(cfg) if cfg.proposer == "ngram" else [])
     pool = WorkerPool(verifiers, proposers, t_blocks, d_blocks, actors, pg)
     if cfg.compiled_graph:

@@ -34,11 +34,8 @@ def stop_len(confidence: list[float], planned: int, floor: float, reach_map: lis
     return planned
 
 
-def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
-    """For each sequence of the draft ``plan``, the branch of ``pre`` that holds (None when
-    any sequence has none: the plan is then drafted as usual)."""
-    if not plan.seq_ids:
-        return None
+def branches(plan: StepPlan, pre: Predraft) -> list[int | None]:
+    """For each sequence of the draft ``plan``, the branch of ``pre`` that holds, or None."""
     offsets, pos = [], 0
     for n in pre.fed_lens:
         offsets.append(pos)
@@ -47,14 +44,22 @@ def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
     for b, sid in enumerate(pre.seq_ids):
         fed = tuple(pre.fed_token_ids[offsets[b]:offsets[b] + pre.fed_lens[b]])
         by_key.setdefault((sid, pre.base[b], fed), b)
-    chosen, pos = [], 0
+    out: list[int | None] = []
+    pos = 0
     for i, sid in enumerate(plan.seq_ids):
         fed = tuple(plan.token_ids[pos:pos + plan.num_new[i]])
         pos += plan.num_new[i]
         b = by_key.get((sid, plan.num_computed[i], fed))
-        if b is None or pre.proposal_lens[b] < plan.proposal_lens[i]:
-            return None
-        chosen.append(b)
+        out.append(b if b is not None and pre.proposal_lens[b] >= plan.proposal_lens[i] else None)
+    return out
+
+
+def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
+    """The branch of every sequence of the draft ``plan``, or None when any sequence has
+    none (the plan is then drafted as usual)."""
+    chosen = branches(plan, pre)
+    if not chosen or any(b is None for b in chosen):
+        return None
     return chosen
 
 

@@ -45,6 +45,10 @@ class SchedulerConfig:
     max_speculative_tokens: int = 0       # the lookahead: the most any step proposes (0: no proposer)
     draft_max_len: int | None = None      # None: the proposer has no length limit (n-gram)
     cache: CacheConfig = CacheConfig()
+    # Overlap: a drafting sequence also reserves, where they fit, the draft slots of a
+    # pre-draft of its next window (k_i + 1 past its own: the last proposal, the bonus
+    # guess and k_i - 1 passes). Where they do not fit its draft worker does not pre-draft it.
+    predraft: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_speculative_tokens, bool) or not isinstance(self.max_speculative_tokens, int) \
@@ -76,6 +80,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SpecStats(k=self.k)
         self._step_id = 0
+        self._draft_slots: dict[int, int] = {}     # this step's draft reservations (_reserve)
         # Frees the workers have not been told about yet; they travel with the next plan.
         self._target_frees: list[list[int]] = [[] for _ in self.target_pools]
         self._draft_frees: list[list[int]] = [[] for _ in range(self.num_draft_ranks)]
@@ -126,7 +131,11 @@ class Scheduler:
             k = 0
         _resize(target, seq.seq_id, n + k)
         if k > 0 and draft is not None:
-            _resize(draft, seq.seq_id, n + k - 1)
+            slots, ahead, limit = n + k - 1, n + 2 * k, self.config.draft_max_len
+            if self.config.predraft and (limit is None or ahead <= limit) and _fits(draft, seq.seq_id, ahead):
+                slots = ahead
+            _resize(draft, seq.seq_id, slots)
+            self._draft_slots[seq.seq_id] = slots
         return k
 
     def _preempt(self, seq: Sequence) -> None:
@@ -187,6 +196,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
         preempted = False
+        self._draft_slots.clear()
         decision = self._decide()
         planned = dict(zip((s.seq_id for s in self.running), decision.proposal_lens))
         floors = dict(zip((s.seq_id for s in self.running), decision.min_reach))
@@ -268,7 +278,8 @@ class Scheduler:
                 d = seq.draft_rank
                 if d_plans[d] is None:
                     d_plans[d] = StepPlan(step_id=sid, k=k_step)
-                _add_seq(d_plans[d], seq, seq.draft_computed, n + k - 1, k)
+                # The slots reserved: with a pre-draft's where they fit (_reserve).
+                _add_seq(d_plans[d], seq, seq.draft_computed, self._draft_slots.pop(seq.seq_id, n + k - 1), k)
                 d_seqs[d].append(seq)
         # Floors under which a draft stops proposing early (StepPlan.min_reach); a single
         # proposal has nothing to stop early.
@@ -377,6 +388,8 @@ class Scheduler:
         stats.schedule_s += outcome.schedule_s
         stats.record_phases(outcome.draft_s, outcome.verify_s, outcome.merge_s, outcome.draft_compute_s,
                             outcome.verify_compute_s)
+        stats.record_overlap(outcome.predrafted, outcome.predraft_used, outcome.predraft_dropped,
+                             outcome.draft_hidden_s)
         stats.record_step(len(out), emitted_total, drafted, sum(v.accepted for v in verdicts), outcome.step_s)
         if self.k:
             dplans = [p for p in step.draft_plans if p is not None]

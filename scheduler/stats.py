@@ -28,6 +28,10 @@ class SpecStats:
     num_stopped_proposals: int = 0   # planned proposals a draft did not make: it stopped early
     num_draft_worker_failures: int = 0
     num_target_worker_failures: int = 0
+    num_predrafted_windows: int = 0  # overlap: windows drafted ahead while the target verified
+    num_predraft_windows_used: int = 0
+    num_predraft_windows_dropped: int = 0
+    draft_hidden_s: float = 0.0      # the pre-drafts' draft time that ran behind verification
     last_mean_k: float = 0.0
     proposed_at: list[int] = field(default_factory=list)    # per proposal position
     accepted_at: list[int] = field(default_factory=list)
@@ -50,6 +54,12 @@ class SpecStats:
             self.proposed_at[j] += 1
             if j < accepted:
                 self.accepted_at[j] += 1
+
+    def record_overlap(self, predrafted: int, used: int, dropped: int, hidden_s: float) -> None:
+        self.num_predrafted_windows += predrafted
+        self.num_predraft_windows_used += used
+        self.num_predraft_windows_dropped += dropped
+        self.draft_hidden_s += hidden_s
 
     def record_speculation(self, sum_k: int, num_seqs: int, k: int) -> None:
         self.last_mean_k = sum_k / num_seqs if num_seqs else 0.0
@@ -98,6 +108,13 @@ class SpecStats:
             # worker calls.
             "driver_overhead_s": overhead,
             "num_spec_off_steps": self.num_spec_off_steps,
+            "num_predrafted_windows": self.num_predrafted_windows,
+            "num_predraft_windows_used": self.num_predraft_windows_used,
+            "num_predraft_windows_dropped": self.num_predraft_windows_dropped,
+            "draft_hidden_s": self.draft_hidden_s,
+            # Of the draft's compute, the share that ran while the target verified.
+            "draft_hidden_fraction": (self.draft_hidden_s / (self.draft_hidden_s + self.draft_compute_s)
+                                      if self.draft_hidden_s + self.draft_compute_s else 0.0),
             "num_stopped_proposals": self.num_stopped_proposals,
             "num_draft_worker_failures": self.num_draft_worker_failures,
             "num_target_worker_failures": self.num_target_worker_failures,

@@ -38,3 +38,9 @@ class StepOutcome:
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
     step_s: float = 0.0                           # the whole step up to its update
+    # Overlap: sequence windows pre-drafted for the next step, pre-drafted windows this
+    # step used and dropped, and the pre-drafts' draft time hidden behind verification.
+    predrafted: int = 0
+    predraft_used: int = 0
+    predraft_dropped: int = 0
+    draft_hidden_s: float = 0.0

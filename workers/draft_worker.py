@@ -32,7 +32,8 @@ from dataclasses import replace
 
 import torch
 
-from specray.scheduler.messages import Proposals, StepPlan, decile
+from specray.scheduler.messages import Predraft, Proposals, StepPlan, decile
+from specray.scheduler.predraft import window
 from specray.workers import model_loader
 from specray.workers.model_runner import ModelWorker
 from specray.workers.worker_config import WorkerConfig
@@ -46,6 +47,10 @@ class DraftWorker(ModelWorker):
         # The target whose window bounds this draft's also bounds the ids it may propose.
         self.target_vocab = model_loader.load_config(cfg.window_of).vocab_size if cfg.window_of else own
         self.scored = min(own, self.target_vocab)      # ids the draft can propose
+        # Overlap: the last window proposed (its plan and proposals), which ``predraft``
+        # drafts past, and the last pre-draft, which ``adopt`` takes windows from.
+        self._last: tuple[StepPlan, Proposals] | None = None
+        self._pre: Predraft | None = None
 
     def _own_ids(self, plan: StepPlan) -> StepPlan:
         """The plan with tokens the draft has no row for (ids in [own, target)) fed as 0;
@@ -55,10 +60,71 @@ class DraftWorker(ModelWorker):
             return plan
         return replace(plan, token_ids=[0 if own <= t < self.target_vocab else t for t in ids])
 
-    @torch.inference_mode()
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
         """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
         the draft probabilities ``[n, k, V_target]`` its proposals were drawn from."""
+        self._last = self._pre = None
+        out = self._propose(plan)
+        self._last = (plan, out[0])
+        return out
+
+    @torch.inference_mode()
+    def predraft(self, step_id: int) -> tuple[Predraft, torch.Tensor | None]:
+        """Drafts, while the target verifies window ``step_id``, the next window of each of
+        its sequences on the optimistic outcome: every proposal accepted and the target's
+        next token the draft's own top choice. A sequence is left out where its window
+        stopped early (its outcome is then not all-accepted) or its plan did not reserve
+        the pre-draft's slots (``num_slots >= L + 2 k_i``). Proposals are drawn exactly as
+        ``propose`` draws them on that prefix (the uniforms are keyed by position), so a
+        branch that holds gives the window ``propose`` would give."""
+        t0 = time.perf_counter()
+        last, self._last, self._pre = self._last, None, None
+        if last is None or last[0].step_id != step_id or last[0].min_reach:
+            # Early stops need per-pass confidences on the plan that takes the window.
+            return Predraft(step_id=step_id), None
+        plan, props = last
+        rows = [i for i in range(plan.num_seqs) if props.proposal_lens[i] == plan.proposal_lens[i] >= 1
+                and plan.num_slots[i] >= plan.num_computed[i] + plan.num_new[i] + 2 * plan.proposal_lens[i]]
+        if not rows:
+            return Predraft(step_id=step_id), None
+        r = self.runner
+        m = [plan.proposal_lens[i] for i in rows]
+        base = [plan.num_computed[i] + plan.num_new[i] + mi - 1 for i, mi in zip(rows, m)]
+        tail = [props.token_ids[i * props.k + mi - 1] for i, mi in zip(rows, m)]
+        sids = [plan.seq_ids[i] for i in rows]
+        # The last proposal, never run through the draft, gives the guess of the bonus token.
+        guess = r.forward(sids, base, [1] * len(rows), r.to_device(tail),
+                          torch.arange(len(rows), device=r.device))[:, :self.scored].argmax(dim=-1).tolist()
+        for sid, b in zip(sids, base):
+            r.kv.written[sid] = max(r.kv.written.get(sid, 0), b + 1)    # the last proposal's K/V
+        ahead = StepPlan(step_id=step_id, k=max(m), seq_ids=sids, num_computed=[b + 1 for b in base],
+                         num_new=[1] * len(rows), token_ids=guess, num_slots=[plan.num_slots[i] for i in rows],
+                         proposal_lens=m, temperature=[plan.temperature[i] for i in rows],
+                         top_k=[plan.top_k[i] for i in rows], top_p=[plan.top_p[i] for i in rows],
+                         seeds=[plan.seeds[i] for i in rows])
+        got, probs = self._propose(ahead)
+        pre = Predraft(step_id=step_id, k=got.k, has_probs=got.has_probs, compute_s=time.perf_counter() - t0,
+                       seq_ids=sids, base=base, fed_lens=[2] * len(rows),
+                       fed_token_ids=[t for pair in zip(tail, guess) for t in pair],
+                       proposal_lens=list(got.proposal_lens), token_ids=list(got.token_ids))
+        self._pre = pre
+        return pre, probs
+
+    def adopt(self, plan: StepPlan, chosen: list[int]) -> tuple[Predraft, torch.Tensor | None]:
+        """Takes ``plan``'s window from the last pre-draft (``chosen``: each sequence's
+        branch, which holds) instead of drafting it: the cache already holds what
+        ``propose(plan)`` would write there. Then pre-drafts past it, as after ``propose``."""
+        pre = self._pre
+        if pre is None:
+            raise ValueError(f"adopt: step {plan.step_id} has no pre-draft to take its window from")
+        r = self.runner
+        r.check_plan(self._own_ids(plan))
+        r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
+        self._last = (plan, window(plan, pre, chosen))
+        return self.predraft(plan.step_id)
+
+    @torch.inference_mode()
+    def _propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
         t0 = time.perf_counter()
         r = self.runner
         plan = self._own_ids(plan)

@@ -68,6 +68,7 @@ def test_bench_quick_json_has_every_field(tmp_path):
         for key in ("system", "proposer", "batch_size", "tokens_per_s", "acceptance_rate", "mean_accepted_length"):
             assert key in r
         assert r["tokens_per_s"] > 0
+        assert r["overlap"] is False        # co-located: no overlap runs
     draft1 = next(r for r in result["runs"] if r["proposer"] == "draft" and r["batch_size"] == 1
                   and r["mode"] == "greedy")
     assert result["alpha"] == pytest.approx(draft1["acceptance_rate"])

@@ -196,3 +196,46 @@ def test_a_draft_padded_another_way_keeps_the_target_distribution(tiny_vocab_pai
     if dv < V:
         # Tokens the draft has no row for come from the residual (and the bonus) alone.
         assert any(a >= dv or b >= dv for a, b in counts)
+
+
+def exact_joint3(model_dir: str, temperature: float) -> dict[tuple[int, int, int], float]:
+    """The exact distribution of the first three tokens (temperature only)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def dist(ids):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logits = model(x, attention_mask=torch.ones_like(x)).logits[:, -1].double()
+        return torch.softmax(TemperatureLogitsWarper(temperature)(x, logits), -1)[0]
+
+    p1, joint = dist(PROMPT), {}
+    for a in range(V):
+        p2 = dist(PROMPT + [a])
+        for b in range(V):
+            p3 = dist(PROMPT + [a, b])
+            for c in range(V):
+                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return joint
+
+
+def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vocab_pair, ray_module):
+    """Overlap through actors: with one token proposed per step and four tokens per
+    request, a request whose first window is all accepted and whose bonus the draft
+    guessed takes its second window from the pre-draft, so the third token is drawn
+    through that path; the first three tokens must still follow the target."""
+    target, draft = tiny_vocab_pair
+    cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=1, block_size=4, device="cpu",
+                        dtype="float32", max_num_seqs=1, max_pending=N, seed=13, overlap=True)
+    drv = DriverCore(cfg, backend="ray", export_metrics=False)
+    try:
+        drv.engine.book.min_use = 0.0
+        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=4, temperature=1.0)] * N)
+        assert reply.error is None
+        outs = drv.wait(reply.request_ids, timeout=900)
+        m = drv.metrics()
+    finally:
+        drv.shutdown()
+    counts = Counter(tuple(o.token_ids[:3]) for o in outs)
+    assert m["num_predraft_windows_used"] > N // 20
+    assert chi2_pvalue(counts, exact_joint3(target, 1.0)) > 1e-3
+    assert chi2_pvalue(counts, exact_joint3(draft, 1.0)) < 1e-6

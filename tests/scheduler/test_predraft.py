@@ -10,7 +10,7 @@ import pytest
 
 from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Predraft, ProtocolError, StepPlan, decode, encode
-from specray.scheduler.predraft import match, stop_len, window
+from specray.scheduler.predraft import branches, match, stop_len, window
 
 
 def plan_for(seq_ids, num_computed, fed, proposal_lens, k=3, **kw) -> StepPlan:
@@ -41,6 +41,14 @@ def test_a_branch_holds_only_for_the_exact_state_it_assumed():
     assert match(plan_for([8], [20], [[1]], [3]), pre) is None
     assert match(plan_for([7, 9], [10, 0], [[9], [1, 2]], [1, 1]), pre) is None
     assert match(plan_for([], [], [], []), pre) is None
+
+
+def test_branches_names_each_sequences_branch_where_match_takes_all_or_none():
+    pre = predraft()
+    plan = plan_for([7, 8, 9], [10, 20, 0], [[8], [1], [1, 2]], [3, 2, 1])
+    assert branches(plan, pre) == [1, 4, None]
+    assert match(plan, pre) is None
+    assert branches(plan_for([], [], [], []), pre) == []
 
 
 def test_a_window_is_the_branch_cut_to_the_plan_and_its_early_stop():

@@ -1079,3 +1079,21 @@ def test_a_static_policy_never_asks_drafts_to_stop():
     eng.run()
     assert plans and all(not p.min_reach and not p.reach_map for p in plans)
     assert eng.sched.stats.num_stopped_proposals == 0
+
+
+@pytest.mark.parametrize("draft_blocks,want", [(100, [10 + 2 * 3, 8 + 2 * 3]), (7, [10 + 2 * 3, 8 + 3 - 1])])
+def test_predraft_reserves_the_next_windows_draft_slots_where_they_fit(draft_blocks, want):
+    """Overlap: a drafting sequence's draft plan reserves L + 2 k_i slots (the pre-draft of
+    its next window) where the pool holds them, else the usual L + k_i - 1; the target's
+    reservation and the proposal lengths do not change."""
+    cfg = SchedulerConfig(target_max_len=256, max_speculative_tokens=3, predraft=True)
+    draft = BlockManager(draft_blocks, 4)
+    s = Scheduler(cfg, BlockManager(100, 4), draft)
+    s.add(make_seq(1, prompt_for(1, 10), 20))
+    s.add(make_seq(2, prompt_for(2, 8), 20))
+    step = s.schedule()
+    plan = step.draft_plans[0]
+    assert plan.num_slots == want and plan.proposal_lens == [3, 3]
+    assert step.target_plans[0].num_slots == [10 + 3, 8 + 3]
+    assert [draft.num_slots(i) >= n for i, n in zip((1, 2), want)] == [True, True]
+    draft.check_integrity()
