@@ -67,12 +67,12 @@ def exact_joint(model_dir: str, temperature: float, top_k: int) -> dict[tuple[in
     return joint
 
 
-def chi2_pvalue(counts: Counter, probs: dict) -> float:
+def chi2_pvalue(counts: Counter, probs: dict, n: int = N) -> float:
     cells = sorted(probs, key=lambda c: probs[c])
     obs, exp, acc_o, acc_e = [], [], 0, 0.0
     for c in cells:   # pool the rare cells so every expected count is >= 5
         acc_o += counts.get(c, 0)
-        acc_e += probs[c] * N
+        acc_e += probs[c] * n
         if acc_e >= 5:
             obs.append(acc_o)
             exp.append(acc_e)
@@ -222,20 +222,23 @@ def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vo
     """Overlap through actors: with one token proposed per step and four tokens per
     request, a request whose first window is all accepted and whose bonus the draft
     guessed takes its second window from the pre-draft, so the third token is drawn
-    through that path; the first three tokens must still follow the target."""
+    through that path; the first three tokens must still follow the target. One request
+    at a time (a batch takes pre-drafts only when all of it holds), so fewer requests than
+    the other tests: at this size the draft's distribution is still rejected by far."""
+    n = N // 3
     target, draft = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=1, block_size=4, device="cpu",
-                        dtype="float32", max_num_seqs=1, max_pending=N, seed=13, overlap=True)
+                        dtype="float32", max_num_seqs=1, max_pending=n, seed=13, overlap=True)
     drv = DriverCore(cfg, backend="ray", export_metrics=False)
     try:
         drv.engine.book.min_use = 0.0
-        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=4, temperature=1.0)] * N)
+        reply = drv.submit([PROMPT] * n, [SamplingParams(max_tokens=4, temperature=1.0)] * n)
         assert reply.error is None
         outs = drv.wait(reply.request_ids, timeout=900)
         m = drv.metrics()
     finally:
         drv.shutdown()
     counts = Counter(tuple(o.token_ids[:3]) for o in outs)
-    assert m["num_predraft_windows_used"] > N // 20
-    assert chi2_pvalue(counts, exact_joint3(target, 1.0)) > 1e-3
-    assert chi2_pvalue(counts, exact_joint3(draft, 1.0)) < 1e-6
+    assert m["num_predraft_windows_used"] > n // 20
+    assert chi2_pvalue(counts, exact_joint3(target, 1.0), n) > 1e-3
+    assert chi2_pvalue(counts, exact_joint3(draft, 1.0), n) < 1e-6
