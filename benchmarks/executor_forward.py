@@ -2,13 +2,16 @@
 
     python benchmarks/executor_forward.py [--model DIR] [--device cpu] [--dtype auto]
                                           [--batch-sizes 1,32] [--context 64] [--repeats 200]
+                                          [--compiled]
 
 For each batch size: one ModelRunner per executor over the same checkpoint and the same
 paged cache layout; every sequence is prefilled with ``--context`` tokens, then the
 decode (1 token per sequence) and verify-shaped (k+1 = 5 tokens per sequence) forwards
 are timed, interleaving the two executors so shared-CPU noise hits both alike. Prints
 median milliseconds per forward and the ratio (transformers / native), plus the largest
-logit difference between the two paths on the last step.
+logit difference between the two paths on the last step. ``--compiled`` adds a third
+runner whose native forward goes through ``torch.compile(dynamic=True)`` (its first call
+per shape, the compile, is reported and left out of the median).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compiled", action="store_true", help="also time the native forward under torch.compile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -48,10 +52,16 @@ def main() -> None:
                         proposal_token_ids=[], draft_rows=[], temperature=[0.0] * n, top_k=[0] * n,
                         top_p=[1.0] * n, seeds=[0] * n, free_seq_ids=[])
 
-    print(f"{'batch':>5} {'step':>7} {'native ms':>10} {'hf ms':>8} {'ratio':>6} {'max|dlogit|':>11}")
+    extra = f" {'compiled ms':>11} {'eager/compiled':>14}" if args.compiled else ""
+    print(f"{'batch':>5} {'step':>7} {'native ms':>10} {'hf ms':>8} {'ratio':>6} {'max|dlogit|':>11}{extra}")
+    kinds = ("native", "transformers") + (("compiled",) if args.compiled else ())
     for b in (int(x) for x in args.batch_sizes.split(",")):
         runners = {ex: ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                                max_num_seqs=b, executor=ex)) for ex in ("native", "transformers")}
+                                                max_num_seqs=b, executor="native" if ex == "compiled" else ex))
+                   for ex in kinds}
+        if args.compiled:
+            native = runners["compiled"].native
+            native.forward = torch.compile(native.forward, dynamic=True)
         g = torch.Generator().manual_seed(0)
         sids = list(range(b))
         vocab = runners["native"].vocab_size
@@ -75,9 +85,15 @@ def main() -> None:
                     if r.device.type == "cuda":
                         torch.cuda.synchronize()
                     times[ex].append(time.perf_counter() - t0)
-            nat, hf = (statistics.median(times[e]) * 1e3 for e in ("native", "transformers"))
+            if args.compiled:
+                print(f"  (compile of batch {b} {name}: {times['compiled'][0]:.1f} s)")
+            nat, hf = (statistics.median(times[e][1:]) * 1e3 for e in ("native", "transformers"))
             diff = (outs["native"] - outs["transformers"]).abs().max().item()
-            print(f"{b:>5} {name:>7} {nat:>10.3f} {hf:>8.3f} {hf / nat:>6.2f} {diff:>11.2e}")
+            line = f"{b:>5} {name:>7} {nat:>10.3f} {hf:>8.3f} {hf / nat:>6.2f} {diff:>11.2e}"
+            if args.compiled:
+                comp = statistics.median(times["compiled"][1:]) * 1e3
+                line += f" {comp:>11.3f} {nat / comp:>14.2f}"
+            print(line)
 
 
 if __name__ == "__main__":

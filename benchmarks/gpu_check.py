@@ -3,9 +3,9 @@
     python benchmarks/gpu_check.py [--device cuda] [--tokens 64] [--bench-tokens 64]
 
 1. Greedy exactness on the device: the built-in pair's greedy output through every
-   runtime layout (native executor; the transformers path co-located too) (co-located, worker actors, compiled graph channels; draft, n-gram and
-   no proposer) must equal transformers' own greedy ``generate`` on the same device and
-   dtype, token for token.
+   runtime layout (co-located, worker actors, compiled graph channels; draft, n-gram and
+   no proposer; the native executor, and the transformers path co-located) must equal
+   transformers' own greedy ``generate`` on the same device and dtype, token for token.
 2. ``benchmarks/executor_forward.py``: per-forward time of both executors on the device.
 3. ``specray bench`` (co-located and compiled graph runs) on the device, tables printed.
 
