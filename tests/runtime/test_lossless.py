@@ -43,7 +43,9 @@ def tiny_vocab_pair(tmp_path_factory):
     return dirs
 
 
-def exact_joint(model_dir: str, temperature: float, top_k: int) -> dict[tuple[int, int], float]:
+def exact_joint(model_dir: str, temperature: float, top_k: int = 0, depth: int = 2) -> dict[tuple, float]:
+    """The exact distribution of the first ``depth`` generated tokens, from the model's own
+    logits through transformers' warpers."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
 
@@ -53,18 +55,33 @@ def exact_joint(model_dir: str, temperature: float, top_k: int) -> dict[tuple[in
             logits = model(x, attention_mask=torch.ones_like(x)).logits[:, -1].double()
         for w in warpers:
             logits = w(x, logits)
-        return torch.softmax(logits, -1)[0]
+        return torch.softmax(logits, -1)[0].tolist()
 
-    p1 = dist(PROMPT)
     joint = {}
-    for a in range(V):
-        if p1[a] == 0:
-            continue
-        p2 = dist(PROMPT + [a])
-        for b in range(V):
-            if p2[b] > 0:
-                joint[(a, b)] = float(p1[a] * p2[b])
+
+    def walk(prefix: list[int], p: float) -> None:
+        if len(prefix) == depth:
+            joint[tuple(prefix)] = p
+            return
+        for a, pa in enumerate(dist(PROMPT + prefix)):
+            if pa > 0:
+                walk(prefix + [a], p * pa)
+
+    walk([], 1.0)
     return joint
+
+
+def sample(cfg: RuntimeConfig, params: SamplingParams, count: int = N, backend: str = "local",
+           prepare=lambda drv: None) -> tuple[list, dict]:
+    """``count`` requests of PROMPT through a driver: their outputs and its metrics."""
+    drv = DriverCore(cfg, backend=backend, export_metrics=False)
+    try:
+        prepare(drv)
+        reply = drv.submit([PROMPT] * count, [params] * count)
+        assert reply.error is None
+        return drv.wait(reply.request_ids, timeout=900), drv.metrics()
+    finally:
+        drv.shutdown()
 
 
 def chi2_pvalue(counts: Counter, probs: dict, n: int = N) -> float:
@@ -92,14 +109,7 @@ def test_first_two_tokens_follow_the_target(tiny_vocab_pair, temperature, top_k)
     target, draft = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
                         dtype="float32", max_num_seqs=1024, max_pending=N, seed=11)
-    drv = DriverCore(cfg, backend="local")
-    try:
-        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=2, temperature=temperature, top_k=top_k)] * N)
-        assert reply.error is None
-        outs = drv.wait(reply.request_ids, timeout=600)
-        m = drv.metrics()
-    finally:
-        drv.shutdown()
+    outs, m = sample(cfg, SamplingParams(max_tokens=2, temperature=temperature, top_k=top_k))
     counts = Counter(tuple(o.token_ids) for o in outs)
     p_target = exact_joint(target, temperature, top_k)
     p_draft = exact_joint(draft, temperature, top_k)
@@ -133,17 +143,13 @@ def test_drafts_that_stop_early_keep_the_target_distribution(tiny_vocab_pair):
             break
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=2, block_size=4, device="cpu",
                         dtype="float32", max_num_seqs=N, max_num_batched_tokens=N * len(PROMPT), max_pending=N, seed=12)
-    drv = DriverCore(cfg, backend="local")
-    drv.scheduler.policy = FixedFloorPolicy(2, floor)
-    try:
-        # Three tokens, so the first step may propose two (one token is kept for the bonus),
-        # and every request is admitted in that step.
-        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=3, temperature=1.0)] * N)
-        assert reply.error is None
-        outs = drv.wait(reply.request_ids, timeout=600)
-        m = drv.metrics()
-    finally:
-        drv.shutdown()
+
+    def floors(drv):
+        drv.scheduler.policy = FixedFloorPolicy(2, floor)
+
+    # Three tokens, so the first step may propose two (one token is kept for the bonus),
+    # and every request is admitted in that step.
+    outs, m = sample(cfg, SamplingParams(max_tokens=3, temperature=1.0), prepare=floors)
     stopped = sum(p for p in q if p < floor)
     assert 0.3 < stopped < 0.7
     assert m["num_stopped_proposals"] == pytest.approx(stopped * N, rel=0.1)
@@ -182,40 +188,13 @@ def test_a_draft_padded_another_way_keeps_the_target_distribution(tiny_vocab_pai
     target, _ = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=padded_drafts[dv], num_speculative_tokens=2, block_size=4,
                         device="cpu", dtype="float32", max_num_seqs=1024, max_pending=N, seed=13)
-    drv = DriverCore(cfg, backend="local")
-    try:
-        reply = drv.submit([PROMPT] * N, [SamplingParams(max_tokens=2, temperature=1.0)] * N)
-        assert reply.error is None
-        outs = drv.wait(reply.request_ids, timeout=600)
-        m = drv.metrics()
-    finally:
-        drv.shutdown()
+    outs, m = sample(cfg, SamplingParams(max_tokens=2, temperature=1.0))
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert 0.1 < m["acceptance_rate"] < 0.9
     assert chi2_pvalue(counts, exact_joint(target, 1.0, 0)) > 1e-3
     if dv < V:
         # Tokens the draft has no row for come from the residual (and the bonus) alone.
         assert any(a >= dv or b >= dv for a, b in counts)
-
-
-def exact_joint3(model_dir: str, temperature: float) -> dict[tuple[int, int, int], float]:
-    """The exact distribution of the first three tokens (temperature only)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def dist(ids):
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            logits = model(x, attention_mask=torch.ones_like(x)).logits[:, -1].double()
-        return torch.softmax(TemperatureLogitsWarper(temperature)(x, logits), -1)[0]
-
-    p1, joint = dist(PROMPT), {}
-    for a in range(V):
-        p2 = dist(PROMPT + [a])
-        for b in range(V):
-            p3 = dist(PROMPT + [a, b])
-            for c in range(V):
-                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    return joint
 
 
 def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vocab_pair, ray_module):
@@ -229,16 +208,12 @@ def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vo
     target, draft = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=1, block_size=4, device="cpu",
                         dtype="float32", max_num_seqs=1, max_pending=n, seed=13, overlap=True)
-    drv = DriverCore(cfg, backend="ray", export_metrics=False)
-    try:
+
+    def always_predraft(drv):
         drv.engine.book.min_use = 0.0
-        reply = drv.submit([PROMPT] * n, [SamplingParams(max_tokens=4, temperature=1.0)] * n)
-        assert reply.error is None
-        outs = drv.wait(reply.request_ids, timeout=900)
-        m = drv.metrics()
-    finally:
-        drv.shutdown()
+
+    outs, m = sample(cfg, SamplingParams(max_tokens=4, temperature=1.0), n, "ray", always_predraft)
     counts = Counter(tuple(o.token_ids[:3]) for o in outs)
     assert m["num_predraft_windows_used"] > n // 20
-    assert chi2_pvalue(counts, exact_joint3(target, 1.0), n) > 1e-3
-    assert chi2_pvalue(counts, exact_joint3(draft, 1.0), n) < 1e-6
+    assert chi2_pvalue(counts, exact_joint(target, 1.0, depth=3), n) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(draft, 1.0, depth=3), n) < 1e-6
