@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import deque
@@ -44,7 +43,6 @@ from specray.scheduler.sampling_params import SamplingParams
 
 PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 LINE_FIELDS = ("prompt", "messages", "id") + PARAM_FIELDS
-_REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
 _NO_ID = object()
 
 
@@ -143,7 +141,7 @@ def check_against(info: dict, item: Item) -> str | None:
 def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
     """Generate for ``items``. The runtime admits a call whole or not at all and names its
     first bad request: drop that line, report it, and resubmit the rest."""
-    from specray.driver import Overloaded
+    from specray.driver import REQUEST_ERROR, Overloaded
 
     pending = list(items)
     backoff = 0.05
@@ -156,7 +154,7 @@ def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) ->
             backoff = min(2 * backoff, 2.0)
             continue
         except ValueError as e:
-            m = _REQUEST_ERROR.fullmatch(str(e))
+            m = REQUEST_ERROR.fullmatch(str(e))
             if m is None or int(m[1]) >= len(pending):
                 raise
             bad = pending.pop(int(m[1]))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
 from collections import deque
@@ -14,7 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from specray.chat import ChatPrompt, check_messages
 from specray.config import ClusterConfig, RuntimeConfig
-from specray.driver import DriverCore, Overloaded, SubmitReply
+from specray.driver import REQUEST_ERROR, DriverCore, Overloaded, SubmitReply, request_error
 from specray import ray_env
 from specray.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
@@ -40,7 +39,6 @@ class Driver(DriverCore):
 RemoteDriver = ray.remote(max_concurrency=256)(Driver)
 
 _POLL_S = 1.0
-_REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
 
 
 class SpecRuntime:
@@ -227,8 +225,8 @@ class SpecRuntime:
                     ids = self._submit(prompts[start:end], plist[start:end])
                 except ValueError as e:
                     # Checked whole before; a refusal now names its index within the part.
-                    m = _REQUEST_ERROR.fullmatch(str(e))
-                    raise ValueError(f"request {start + int(m[1])}: {m[2]}" if m else str(e)) from None
+                    m = REQUEST_ERROR.fullmatch(str(e))
+                    raise ValueError(request_error(start + int(m[1]), m[2]) if m else str(e)) from None
                 except Overloaded:
                     if not running:         # other clients fill it: wait for them
                         time.sleep(backoff)

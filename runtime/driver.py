@@ -9,6 +9,7 @@ in-process, which is how tests exercise the whole path quickly.
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 import uuid
@@ -25,6 +26,14 @@ from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.scheduler.sequence import Sequence
 from specray.policies import build_policy
 from specray.worker_pool import start_workers
+
+
+# A refused call names its first bad request so that callers can drop it and resubmit.
+REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
+
+
+def request_error(i: int, why) -> str:
+    return f"request {i}: {why}"
 
 
 class Overloaded(RuntimeError):
@@ -157,7 +166,7 @@ class DriverCore:
             try:
                 self._prepare(prompt, p)
             except ValueError as e:
-                return f"request {i}: {e}"
+                return request_error(i, e)
         return None
 
     def submit(self, prompts: list, params: list) -> SubmitReply:
@@ -169,7 +178,7 @@ class DriverCore:
             try:
                 seqs.append(self._make_seq(prompt, p))
             except ValueError as e:
-                return SubmitReply([], f"request {i}: {e}")
+                return SubmitReply([], request_error(i, e))
         with self._cv:
             if self._stop:
                 return SubmitReply([], "the runtime is shut down")

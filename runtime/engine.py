@@ -143,9 +143,6 @@ class Engine:
         return self.scheduler.update(outcome)
 
     # -- overlap: pre-drafts taken, made and collected -----------------------------------
-    def _predrafting(self, r: int) -> bool:
-        return self.book is not None and hasattr(self.proposers[r], "submit_predraft")
-
     def _take(self, step: ScheduledStep, outcome: StepOutcome) -> dict[int, Taken]:
         """Draft plans whose every sequence a pre-draft already holds proposals for."""
         taken: dict[int, Taken] = {}
@@ -167,8 +164,10 @@ class Engine:
         it adopted, or after the window it just proposed. They run while the target
         verifies."""
         ahead = []
+        if self.book is None:
+            return ahead
         for r, plan in enumerate(step.draft_plans):
-            if plan is None or not self._predrafting(r) or r in outcome.lost_drafts:
+            if plan is None or not hasattr(self.proposers[r], "submit_predraft") or r in outcome.lost_drafts:
                 continue
             call = self.proposers[r]
             if r in taken:

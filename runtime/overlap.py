@@ -1,9 +1,10 @@
 """Draft and target at the same time: the engine's book of pre-drafts.
 
 While the target verifies a window, each draft worker that can pre-draft drafts the next
-window from the few most likely outcomes of that verification (``Predraft``). The next
-step takes its proposals from there when every sequence of a draft plan has a branch that
-holds (``specray.scheduler.predraft``); that worker is then told which branches won
+window on the optimistic outcome of that verification (every proposal accepted, the bonus
+token the draft's own top choice; ``Predraft`` can carry several branches a sequence, the
+worker drafts one). The next step takes its proposals from there when every sequence of a
+draft plan has a branch that holds (``specray.scheduler.predraft``); that worker is then told which branches won
 (``adopt``), which also pre-drafts the step after. Otherwise the plan is drafted as
 without overlap, and the pre-draft is dropped.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specray.scheduler.messages import Predraft, Proposals, StepPlan
-from specray.scheduler.predraft import branches, window
+from specray.scheduler.predraft import all_held, branches, window
 
 
 @dataclass
@@ -57,15 +58,15 @@ class PredraftBook:
             return None, 0
         pre, probs = got
         windows = len(set(pre.seq_ids))
-        if plan.min_reach and not pre.confidence:
-            return None, windows       # its early stops need confidences the pre-draft did not keep
+        if plan.min_reach:
+            return None, windows       # its early stops need confidences a pre-draft does not keep
         held = branches(plan, pre)
         for sid, b in zip(plan.seq_ids, held):
             if sid in pre.seq_ids:
                 self.hit_rate = self.hit_rate * self.decay + (1.0 - self.decay) * (b is not None)
-        if not held or any(b is None for b in held):
+        chosen = all_held(held)
+        if chosen is None:
             return None, windows
-        chosen = [b for b in held if b is not None]
         return Taken(window(plan, pre, chosen), probs, chosen), windows - plan.num_seqs
 
     def drop(self) -> None:

@@ -40,23 +40,20 @@ class DraftWorker(_WorkerActor):
 
     def propose_step(self, data: bytes) -> tuple[bytes, object]:
         """One return value, for a compiled graph's channel."""
-        proposals, probs = self.worker.propose(decode(data, StepPlan, validate=False))
-        # Tensors leave the actor on the host so any node can read them.
-        return encode(proposals), (probs.cpu() if probs is not None else None)
-
+        return _reply(*self.worker.propose(decode(data, StepPlan, validate=False)))
 
     @ray.method(num_returns=2)
     def predraft_msg(self, step_id: int):
-        return self._predraft(self.worker.predraft(step_id))
+        return _reply(*self.worker.predraft(step_id))
 
     @ray.method(num_returns=2)
     def adopt_msg(self, data: bytes, chosen: list[int]):
-        return self._predraft(self.worker.adopt(decode(data, StepPlan, validate=False), chosen))
+        return _reply(*self.worker.adopt(decode(data, StepPlan, validate=False), chosen))
 
-    @staticmethod
-    def _predraft(got) -> tuple[bytes, object]:
-        pre, probs = got
-        return encode(pre), (probs.cpu() if probs is not None else None)
+
+def _reply(message, probs) -> tuple[bytes, object]:
+    # Tensors leave the actor on the host so any node can read them.
+    return encode(message), (probs.cpu() if probs is not None else None)
 
 
 class TargetWorker(_WorkerActor):

@@ -8,30 +8,14 @@ plan's ``num_computed`` and fed tokens are exactly the ones the branch assumed: 
 proposals were then drafted on the prefix the target actually emitted, so taking them is
 the same as drafting them now (exactness needs nothing more). A step takes pre-drafted
 proposals only when every drafting sequence of a draft worker has a branch that holds;
-otherwise that worker drafts as it would without pre-drafts.
-
-A draft told to stop early (``StepPlan.min_reach``) stops where ``stop_len`` says: the
-rule the draft worker applies pass by pass, here applied to a branch drafted in full.
+otherwise that worker drafts as it would without pre-drafts. Plans whose drafts stop
+early (``StepPlan.min_reach``) never take pre-drafts: their stops need the draft's
+per-pass confidences, which a pre-draft does not keep.
 """
 
 from __future__ import annotations
 
-from specray.scheduler.messages import Predraft, Proposals, StepPlan, decile
-
-
-def stop_len(confidence: list[float], planned: int, floor: float, reach_map: list[float]) -> int:
-    """How many of ``planned`` proposals a draft makes when it stops once the product of
-    its proposals' calibrated probabilities falls below ``floor`` (keeping the proposal
-    that crossed it). ``floor`` 0: all of them."""
-    if floor <= 0.0:
-        return planned
-    reach = 1.0
-    for p in range(planned - 1):
-        c = min(max(confidence[p], 0.0), 1.0)
-        reach *= reach_map[decile(c)] if reach_map else c
-        if reach < floor:
-            return p + 1
-    return planned
+from specray.scheduler.messages import Predraft, Proposals, StepPlan
 
 
 def branches(plan: StepPlan, pre: Predraft) -> list[int | None]:
@@ -54,31 +38,30 @@ def branches(plan: StepPlan, pre: Predraft) -> list[int | None]:
     return out
 
 
+def all_held(held: list[int | None]) -> list[int] | None:
+    """``held`` (from ``branches``) when every sequence has a branch, else None: a plan
+    takes its whole window from the pre-draft or none of it."""
+    if not held or any(b is None for b in held):
+        return None
+    return held
+
+
 def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
     """The branch of every sequence of the draft ``plan``, or None when any sequence has
     none (the plan is then drafted as usual)."""
-    chosen = branches(plan, pre)
-    if not chosen or any(b is None for b in chosen):
-        return None
-    return chosen
+    return all_held(branches(plan, pre))
 
 
 def window(plan: StepPlan, pre: Predraft, chosen: list[int]) -> Proposals:
     """The proposals the draft plan gets from its chosen branches: each sequence's first
-    ``proposal_lens[i]`` (fewer where it would stop early), in the plan's width, with its
-    probabilities' rows pointing into the pre-draft's."""
+    ``proposal_lens[i]``, in the plan's width, with its probabilities' rows pointing into
+    the pre-draft's."""
     k, m = plan.k, pre.k
-    lens, tokens, confidence = [], [], []
+    lens, tokens = [], []
     for i, b in enumerate(chosen):
-        row = pre.token_ids[b * m:(b + 1) * m]
-        conf = pre.confidence[b * m:(b + 1) * m] if pre.confidence else [0.0] * m
         n = plan.proposal_lens[i]
-        if plan.min_reach:
-            n = stop_len(conf, n, plan.min_reach[i], plan.reach_map)
         lens.append(n)
-        tokens += row[:n] + [-1] * (k - n)
-        confidence += conf[:n] + [0.0] * (k - n)
+        tokens += pre.token_ids[b * m:b * m + n] + [-1] * (k - n)
     return Proposals(step_id=plan.step_id, k=k, has_probs=pre.has_probs, seq_ids=list(plan.seq_ids),
-                     proposal_lens=lens, token_ids=tokens, confidence=confidence if plan.min_reach else [],
-                     prob_rows=list(chosen) if pre.has_probs else [],
+                     proposal_lens=lens, token_ids=tokens, prob_rows=list(chosen) if pre.has_probs else [],
                      num_prob_rows=pre.num_branches if pre.has_probs else 0)

@@ -1,6 +1,6 @@
 """Taking proposals from a pre-draft: a branch holds only for exactly the state it
-assumed, a window is the branch's proposals cut like a draft that stops early, and the
-pre-draft message survives the wire."""
+assumed, a window is the branch's proposals cut to the plan, and the pre-draft message
+survives the wire."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Predraft, ProtocolError, StepPlan, decode, encode
-from specray.scheduler.predraft import branches, match, stop_len, window
+from specray.scheduler.predraft import branches, match, window
 
 
 def plan_for(seq_ids, num_computed, fed, proposal_lens, k=3, **kw) -> StepPlan:
@@ -51,18 +51,12 @@ def test_branches_names_each_sequences_branch_where_match_takes_all_or_none():
     assert branches(plan_for([], [], [], []), pre) == []
 
 
-def test_a_window_is_the_branch_cut_to_the_plan_and_its_early_stop():
+def test_a_window_is_the_branch_cut_to_the_plan():
     pre = predraft()
     plan = plan_for([7, 8], [10, 20], [[9], [1]], [2, 2])
     got = window(plan, pre, [0, 4])
     assert got.proposal_lens == [2, 2] and got.token_ids == [1, 2, -1, 13, 14, -1]
     assert got.confidence == [] and not got.has_probs
-    # A floor: 0.9 * 0.2 falls below 0.5 after the second proposal, which is kept.
-    floors = plan_for([7], [10], [[8]], [3], min_reach=[0.5], reach_map=[])
-    assert window(floors, pre, [1]).proposal_lens == [2]
-    assert stop_len([0.9, 0.2, 0.9], 3, 0.5, []) == 2 and stop_len([0.9, 0.2, 0.9], 3, 0.0, []) == 3
-    # Calibrated by decile: 0.2 reads as 1.0, nothing stops.
-    assert stop_len([0.9, 0.2, 0.9], 3, 0.5, [1.0] * 10) == 3
 
 
 def test_a_window_points_its_probabilities_at_the_branch_rows():
