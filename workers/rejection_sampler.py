@@ -12,8 +12,9 @@ Every step therefore emits accepted + 1 tokens. Proposal ``x_j`` is accepted wit
 probability ``min(1, p(x_j) / q(x_j))``, which makes the emitted tokens distributed
 exactly as the target's own samples. A deterministic proposal (n-gram) is a one-hot q.
 
-All functions work on the whole batch at once; outputs are ``[n, k + 1]`` with ``-1``
-past the emitted tokens, plus ``num_emitted [n]``.
+``random_verify`` works on the whole batch at once on the device; its outputs are
+``[n, k + 1]`` with ``-1`` past the emitted tokens, plus ``num_emitted [n]``.
+``greedy_accept`` reads the target's argmax grid on the host.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ import torch
 from specray.workers.sampling import sample_from_probs
 
 
-def greedy_verify(target_argmax: torch.Tensor, draft_ids: torch.Tensor, proposal_lens: torch.Tensor):
-    """target_argmax: [n, k+1]; draft_ids: [n, k] (-1 padded); proposal_lens: [n]."""
-    n, k1 = target_argmax.shape
-    k = k1 - 1
-    valid = torch.arange(k, device=draft_ids.device) < proposal_lens.unsqueeze(-1)    # [n, k]
-    match = (draft_ids == target_argmax[:, :k]) & valid
-    num_accepted = match.long().cumprod(dim=-1).sum(dim=-1)                           # [n]
-    keep = torch.arange(k1, device=draft_ids.device) <= num_accepted.unsqueeze(-1)   # [n, k+1]
-    out = torch.where(keep, target_argmax, torch.full_like(target_argmax, -1))
-    return out, num_accepted + 1
+def greedy_accept(target_argmax: list[int], proposal_ids: list[int], proposal_lens: list[int],
+                  k: int) -> list[list[int]]:
+    """Greedy verification on the host. ``target_argmax``: the target's argmax at each
+    sequence's k + 1 scored positions, flat ``[n * (k+1)]``; ``proposal_ids``: flat
+    ``[n * k]``, -1 padded (empty when nothing was proposed). Returns each sequence's
+    emitted tokens: its accepted proposals (which equal the target's argmax there) and the
+    target's token at the first mismatch, or the bonus token when all k_i match."""
+    k1 = k + 1
+    emitted = []
+    for i, m in enumerate(proposal_lens):
+        target = target_argmax[i * k1:i * k1 + m + 1]
+        j = 0
+        while j < m and proposal_ids[i * k + j] == target[j]:
+            j += 1
+        emitted.append(target[:j + 1])
+    return emitted
 
 
 def random_verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -11,7 +11,7 @@ import torch
 from specray.scheduler.messages import StepPlan, StepResult
 from specray.workers.worker_config import PlanError
 from specray.workers.model_runner import ModelWorker
-from specray.workers.rejection_sampler import greedy_verify, random_verify
+from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
 
 
@@ -31,50 +31,50 @@ class TargetWorker(ModelWorker):
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
         dev = r.device
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, plens, k)
-        logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed.tolist(), batch.tokens.to(dev),
-                           batch.score_rows.to(dev))                                  # [n * (k+1), V]
+        logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
+                           r.to_device(batch.score_rows))                             # [n * (k+1), V]
         vocab = logits.shape[-1]
         scores = logits.view(n, k + 1, vocab)
-        draft_ids = batch.draft_ids.to(dev)
-        lens_t = batch.proposal_lens.to(dev)
-
-        temps = torch.tensor(plan.temperature, dtype=torch.float32)
-        if not bool((temps > 0).any()):
-            out, emitted = greedy_verify(scores.argmax(dim=-1), draft_ids, lens_t)
+        # Greedy rows are decided on the host from the argmax grid ([n, k+1] ints): fewer
+        # tensor ops than a masked device computation, and the same one host sync.
+        argmax = scores.argmax(dim=-1).view(-1)
+        sampled = [i for i, t in enumerate(plan.temperature) if t > 0]
+        if not sampled:
+            grid = argmax.tolist()
+            emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
         else:
-            out = torch.empty(n, k + 1, dtype=torch.long, device=dev)
-            emitted = torch.empty(n, dtype=torch.long, device=dev)
-            g_rows = (temps == 0).nonzero().squeeze(-1)
-            if len(g_rows):
-                gi = g_rows.to(dev)
-                out[gi], emitted[gi] = greedy_verify(scores[gi].argmax(dim=-1), draft_ids[gi], lens_t[gi])
-            si = (temps > 0).nonzero().squeeze(-1)
-            out[si.to(dev)], emitted[si.to(dev)] = self._sample(plan, si, scores, draft_ids, lens_t, draft_probs)
-
-        # One host sync: the counts, then every emitted token in batch order.
-        keep = torch.arange(k + 1, device=dev) < emitted.unsqueeze(-1)
-        flat = torch.cat([emitted, out[keep]]).tolist()
+            out, counts = self._sample(plan, sampled, scores, draft_probs)
+            flat = torch.cat([argmax, counts, out.view(-1)]).tolist()
+            grid, counts, out = flat[:n * (k + 1)], flat[n * (k + 1):n * (k + 1) + len(sampled)], \
+                flat[n * (k + 1) + len(sampled):]
+            emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
+            for j, i in enumerate(sampled):
+                emitted[i] = out[j * (k + 1):j * (k + 1) + counts[j]]
         return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids),
-                          num_emitted=flat[:n], token_ids=flat[n:])
+                          num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
 
-    def _sample(self, plan: StepPlan, si: torch.Tensor, scores, draft_ids, lens_t, draft_probs):
-        """Rejection sampling for the rows ``si`` (host indices) that sample."""
+    def _sample(self, plan: StepPlan, rows: list[int], scores, draft_probs):
+        """Rejection sampling for the sequences ``rows`` (batch indices) that sample:
+        their emitted tokens [m, k+1] (-1 past the emitted) and counts [m]."""
         r = self.runner
         dev = r.device
+        k = plan.k
         k1, vocab = scores.shape[1:]
-        rows = si.tolist()
-        di = si.to(dev)
         m = len(rows)
         rep = lambda xs: [xs[i] for i in rows for _ in range(k1)]  # noqa: E731
+        di = r.to_device(rows)
         probs = logits_to_probs(scores[di].view(m * k1, vocab), r.to_device(rep(plan.temperature), torch.float32),
                                 rep(plan.top_k), rep(plan.top_p)).view(m, k1, vocab)
+        props = plan.proposal_token_ids
+        draft_ids = r.to_device([props[i * k + j] for i in rows for j in range(k)] if props else [-1] * (m * k))
+        lens = r.to_device([plan.proposal_lens[i] if props else 0 for i in rows])
         q, has_q = self._draft_probs(draft_probs, [plan.draft_rows[i] if plan.draft_rows else -1 for i in rows], dev)
         base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])         # L_i
         positions = base.unsqueeze(-1) + torch.arange(k1, device=dev)                      # [m, k+1]
         seeds = r.to_device([plan.seeds[i] for i in rows]).unsqueeze(-1)
         accept_u = keyed_uniform(seeds, positions[:, :-1], STREAM_ACCEPT)
         sample_u = keyed_uniform(seeds, positions, STREAM_TARGET)
-        return random_verify(probs, draft_ids[di], q, has_q, lens_t[di], accept_u, sample_u)
+        return random_verify(probs, draft_ids.view(m, k), q, has_q, lens, accept_u, sample_u)
 
     def _check_proposals(self, plan: StepPlan, plens: list[int], shards) -> None:
         """Proposals are fed to the model and index one-hot rows, draft rows index the
@@ -115,33 +115,30 @@ class TargetWorker(ModelWorker):
 
 @dataclass
 class PackedVerify:
-    tokens: torch.Tensor          # [T]: per sequence its new tokens, then its proposals
-    fed: torch.Tensor             # [n]: tokens each sequence feeds
-    score_rows: torch.Tensor      # [n * (k+1)]: packed row scoring each position (repeats past k_i)
-    draft_ids: torch.Tensor       # [n, k], -1 padded
-    proposal_lens: torch.Tensor   # [n]
+    tokens: list[int]         # [T]: per sequence its new tokens, then its proposals
+    fed: list[int]            # [n]: tokens each sequence feeds
+    score_rows: list[int]     # [n * (k+1)]: packed row scoring each position (repeats past k_i)
 
 
 def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token_ids: list[int],
                         proposal_lens: list[int], k: int) -> PackedVerify:
-    """The verify pass's input layout, built with a fixed number of host tensor ops
-    whatever the batch size. Sequence i's positions 0..k_i are scored at its last new
-    token and its proposals; rows past k_i repeat its last scored row so the logits come
-    out as a dense ``[n, k+1]`` grid without a scatter (the sampler never reads them)."""
-    n = len(num_new)
-    new = torch.tensor(num_new)
-    lens = torch.tensor(proposal_lens)
-    draft_ids = torch.tensor(proposal_token_ids, dtype=torch.long).view(n, k) if proposal_token_ids \
-        else torch.full((n, k), -1, dtype=torch.long)
-    fed = new + lens
-    starts = fed.cumsum(0) - fed                                       # first packed row of each
-    cols = torch.arange(k)
-    is_prop = cols < lens.unsqueeze(-1)                                # [n, k]
-    tokens = torch.empty(int(fed.sum()), dtype=torch.long)
-    # New tokens keep their order and move right by the proposals packed before them.
-    shift = (starts - (new.cumsum(0) - new)).repeat_interleave(new)
-    tokens[torch.arange(len(token_ids)) + shift] = torch.tensor(token_ids, dtype=torch.long)
-    tokens[((starts + new).unsqueeze(-1) + cols)[is_prop]] = draft_ids[is_prop]
-    last_new = starts + new - 1
-    score_rows = last_new.unsqueeze(-1) + torch.minimum(torch.arange(k + 1), lens.unsqueeze(-1))
-    return PackedVerify(tokens, fed, score_rows.flatten(), draft_ids, lens)
+    """The verify pass's input layout, as host lists (list slicing and ``range`` run at
+    C speed; a handful of tiny tensor ops cost more at these sizes). Sequence i's
+    positions 0..k_i are scored at its last new token and its proposals; rows past k_i
+    repeat its last scored row so the logits come out as a dense ``[n, k+1]`` grid
+    without a scatter (the sampler never reads them)."""
+    tokens: list[int] = []
+    fed: list[int] = []
+    score_rows: list[int] = []
+    start = row = 0
+    for i, (new, m) in enumerate(zip(num_new, proposal_lens)):
+        tokens += token_ids[start:start + new]
+        start += new
+        if m:
+            tokens += proposal_token_ids[i * k:i * k + m]
+        last = row + new - 1
+        score_rows += range(last, last + m + 1)
+        score_rows += [last + m] * (k - m)
+        row += new + m
+        fed.append(new + m)
+    return PackedVerify(tokens, fed, score_rows)

