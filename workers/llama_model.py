@@ -6,7 +6,7 @@ configs, safetensors, dtype conversion and tied embeddings are handled by the sa
 as the reference), then fused: q/k/v into one projection, gate/up into another. A
 forward is a flat loop of tensor ops over the packed batch: no per-module Python calls,
 no transformers masks or caches. Attention is specray's paged attention
-(``paged_attention.paged_attention``) over the same ``AttentionMetadata``.
+(``paged_attention.attend``) over the same ``AttentionMetadata``.
 
 ``supports(hf_model)`` says whether a loaded model can run here (else ``None`` and the
 reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
@@ -16,13 +16,11 @@ reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from specray.workers.paged_attention import AttentionMetadata, paged_attention
+from specray.workers.paged_attention import AttentionMetadata, attend
 from specray.workers.rotary import STATIC_ROPE_TYPES, RotaryTable, apply_rotary, rope_type
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -57,15 +55,14 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: float32 statistics, weight applied in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """transformers' LlamaRMSNorm: float32 statistics, weight applied in the input dtype
+    (``weight`` broadcasts over x's last dimension: [D], or [heads, D] for per-head norms)."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class _Layer:
-    __slots__ = ("idx", "ln1", "qkv_w", "qkv_b", "o_w", "q_norm", "k_norm", "ln2", "gate_up_w", "down_w",
-                 "window", "scaling", "shim")
+    __slots__ = ("idx", "ln1", "qkv_w", "qkv_b", "o_w", "qk_norm", "ln2", "gate_up_w", "down_w",
+                 "window", "scaling")
 
 
 class NativeCausalLM:
@@ -104,15 +101,17 @@ class NativeCausalLM:
             L.o_w = _t(a.o_proj.weight)
             if a.o_proj.bias is not None:
                 raise ValueError("native executor cannot run this model: o_proj bias")
-            L.q_norm = a.q_norm.weight.detach() if hasattr(a, "q_norm") else None
-            L.k_norm = a.k_norm.weight.detach() if hasattr(a, "k_norm") else None
+            # Qwen3's per-head q and k norms as one [heads + kv_heads, D] weight: q and k are
+            # adjacent in the qkv output, so both are normalized (and rotated) in one pass.
+            L.qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.heads, -1),
+                                   a.k_norm.weight.detach().expand(self.kv_heads, -1)]) \
+                if hasattr(a, "q_norm") else None
             L.gate_up_w = _t(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
             L.down_w = _t(m.down_proj.weight)
             # Qwen2 sets it per layer on the attention module; Mistral reads the config.
             L.window = getattr(a, "sliding_window", None) if hasattr(a, "sliding_window") else \
                 getattr(config, "sliding_window", None)
             L.scaling = a.scaling
-            L.shim = types.SimpleNamespace(layer_idx=i)
             self.layers.append(L)
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
@@ -132,18 +131,12 @@ class NativeCausalLM:
                 residual = residual + h
             x = rms_norm(residual, L.ln1, self.eps)
             qkv = _mm(x, L.qkv_w, L.qkv_b)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(t, self.heads, self.head_dim)
-            k = k.view(t, self.kv_heads, self.head_dim)
-            v = v.view(t, self.kv_heads, self.head_dim)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, self.eps)
-                k = rms_norm(k, L.k_norm, self.eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            o, _ = paged_attention(L.shim, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                   v.transpose(0, 1).unsqueeze(0), None, scaling=L.scaling, specray_meta=meta,
-                                   sliding_window=L.window)
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.kv_heads, self.head_dim)
+            if L.qk_norm is not None:
+                qk = rms_norm(qk, L.qk_norm, self.eps)
+            qk = apply_rotary(qk, cos, sin)
+            o = attend(L.idx, qk[:, :self.heads], qk[:, self.heads:], v, meta, L.scaling, L.window)
             h = _mm(o.reshape(t, self.q_size), L.o_w)
             residual = residual + h
             x = rms_norm(residual, L.ln2, self.eps)

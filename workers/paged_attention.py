@@ -114,27 +114,19 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
     return meta, positions
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    specray_meta: AttentionMetadata | None = None, sliding_window=None, **kwargs):
-    """query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied) -> ([1, T, H, D], None)."""
-    meta = specray_meta
-    if meta is None:
-        raise RuntimeError("specray paged attention called without specray_meta")
-    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
-    if unsupported:
-        # Silently ignoring these would give wrong outputs (e.g. Gemma 2's logit softcap).
-        raise ValueError(f"specray paged attention does not support {', '.join(unsupported)} "
-                                  f"({type(module).__name__})")
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+           scaling: float | None, sliding_window: int | None = None) -> torch.Tensor:
+    """Packed attention for layer ``layer``: q [T, H, D], k/v [T, KVH, D] (RoPE applied)
+    -> [T, H, D]. Writes k/v into the layer's cache at ``meta.slot_mapping`` first."""
+    k_cache, v_cache = meta.kv_caches[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     n, qmax = meta.num_seqs, meta.max_query_len
-    _, heads, _, d = query.shape
-    kvh = key.shape[1]
+    heads, d = q.shape[1:]
+    kvh = k.shape[1]
 
-    def padded(x):                                                          # [1, h, T, D] -> [n, h, Qmax, D]
-        x = x[0].transpose(0, 1)
+    def padded(x):                                                          # [T, h, D] -> [n, h, Qmax, D]
         if meta.q_src is not None:
             x = x.index_select(0, meta.q_src)
         return x.reshape(n, qmax, x.shape[1], d).transpose(1, 2)
@@ -142,26 +134,43 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     def context(cache, buf):
         # Whole blocks: one contiguous copy per block instead of one per slot.
         torch.index_select(cache.view(-1, meta.block_size, kvh, d), 0, meta.block_index, out=buf)
-        return buf.view(n, -1, kvh, d).transpose(1, 2).to(query.dtype)    # [n, KVH, W * bs, D]
+        return buf.view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)        # [n, KVH, W * bs, D]
 
-    q = padded(query)
+    qp = padded(q)
     if meta.prefill:
         # Nothing cached: padded row j is position j of its sequence, so causal attention over
         # the step's own K/V is exact for every real row, with no gather and (unless there is
         # a window) no mask.
-        k_ctx, v_ctx = padded(key), padded(value)
+        k_ctx, v_ctx = padded(k), padded(v)
     else:
         k_ctx, v_ctx = map(context, (k_cache, v_cache), meta.context_buffers(k_cache))
     if kvh != heads and not _HAS_GQA:
         k_ctx = k_ctx.repeat_interleave(heads // kvh, dim=1)
         v_ctx = v_ctx.repeat_interleave(heads // kvh, dim=1)
     extra = {"enable_gqa": True} if kvh != heads and _HAS_GQA else {}
-    mask = meta.mask(sliding_window, q.dtype) if sliding_window or not meta.prefill else None
-    out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None,
+    mask = meta.mask(sliding_window, qp.dtype) if sliding_window or not meta.prefill else None
+    out = F.scaled_dot_product_attention(qp, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None,
                                          scale=scaling, **extra)
     out = out.transpose(1, 2).reshape(n * qmax, heads, d)
     if meta.q_index is not None:
-        out = out.index_select(0, meta.q_index)                             # [T, H, D]
+        out = out.index_select(0, meta.q_index)
+    return out
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    specray_meta: AttentionMetadata | None = None, sliding_window=None, **kwargs):
+    """transformers' attention interface: query [1, H, T, D], key/value [1, KVH, T, D]
+    (RoPE applied) -> ([1, T, H, D], None), through ``attend``."""
+    if specray_meta is None:
+        raise RuntimeError("specray paged attention called without specray_meta")
+    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if unsupported:
+        # Silently ignoring these would give wrong outputs (e.g. Gemma 2's logit softcap).
+        raise ValueError(f"specray paged attention does not support {', '.join(unsupported)} "
+                                  f"({type(module).__name__})")
+    packed = lambda x: x[0].transpose(0, 1)                                 # noqa: E731  [T, h, D]
+    out = attend(module.layer_idx, packed(query), packed(key), packed(value), specray_meta, scaling,
+                 sliding_window)
     return out.unsqueeze(0), None
 
 
