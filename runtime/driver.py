@@ -103,6 +103,10 @@ class DriverCore:
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
         self._requests: dict[str, _Request] = {}
+        # Stream polls waiting for tokens: the loop wakes waiters every step only while one
+        # waits; ``wait`` callers need a wake-up only when a request ends (waking them every
+        # step hands the GIL to a thread with nothing to do, a tenth of a batch-1 step).
+        self._pollers = 0
         self._next_seq = 0
         self._stop = False
         self._last_error: str | None = None
@@ -287,7 +291,11 @@ class DriverCore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cv.wait(left)
+                self._pollers += 1
+                try:
+                    self._cv.wait(left)
+                finally:
+                    self._pollers -= 1
             try:
                 full = self._output(req)
             except RuntimeError:
@@ -369,6 +377,8 @@ class DriverCore:
                 continue
             for seq in incoming:
                 self.scheduler.add(seq)
+            sched = self.scheduler
+            unfinished = len(sched.waiting) + len(sched.running)
             try:
                 self.engine.step()
             except Exception as e:  # a failed step fails its requests, not the runtime
@@ -379,8 +389,10 @@ class DriverCore:
                         req = self._requests.get(seq.request_id)
                         if req is not None:
                             req.error = self._last_error
-            with self._cv:
-                self._cv.notify_all()
+            # A finished sequence leaves both queues (preemption only moves one across).
+            if self._pollers or len(sched.waiting) + len(sched.running) < unfinished:
+                with self._cv:
+                    self._cv.notify_all()
             exported = False
             if self._exporter is not None and self._exporter.due():
                 self._export()
