@@ -2,7 +2,7 @@
 
     python benchmarks/executor_forward.py [--model DIR] [--device cpu] [--dtype auto]
                                           [--batch-sizes 1,32] [--context 64] [--repeats 200]
-                                          [--compiled]
+                                          [--compiled] [--graphs]
 
 For each batch size: one ModelRunner per executor over the same checkpoint and the same
 paged cache layout; every sequence is prefilled with ``--context`` tokens, then the
@@ -11,7 +11,10 @@ are timed, interleaving the two executors so shared-CPU noise hits both alike. P
 median milliseconds per forward and the ratio (transformers / native), plus the largest
 logit difference between the two paths on the last step. ``--compiled`` adds a third
 runner whose native forward goes through ``torch.compile(dynamic=True)`` (its first call
-per shape, the compile, is reported and left out of the median).
+per shape, the compile, is reported and left out of the median). ``--graphs`` adds a
+runner whose decode and verify steps replay CUDA graphs (``workers/step_graphs.py``; on a
+device without them the same padded forward runs eagerly), with the native eager forward
+as its baseline and the largest logit difference between the two.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compiled", action="store_true", help="also time the native forward under torch.compile")
+    ap.add_argument("--graphs", action="store_true", help="also time bucketed steps replayed as CUDA graphs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -53,12 +57,19 @@ def main() -> None:
                         top_p=[1.0] * n, seeds=[0] * n, free_seq_ids=[])
 
     extra = f" {'compiled ms':>11} {'eager/compiled':>14}" if args.compiled else ""
+    extra += f" {'graphs ms':>9} {'eager/graphs':>12} {'max|dlogit|':>11}" if args.graphs else ""
     print(f"{'batch':>5} {'step':>7} {'native ms':>10} {'hf ms':>8} {'ratio':>6} {'max|dlogit|':>11}{extra}")
-    kinds = ("native", "transformers") + (("compiled",) if args.compiled else ())
+    kinds = ("native", "transformers") + (("compiled",) if args.compiled else ()) + (("graphs",) if args.graphs else ())
     for b in (int(x) for x in args.batch_sizes.split(",")):
         runners = {ex: ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                                max_num_seqs=b, executor="native" if ex == "compiled" else ex))
+                                                max_num_seqs=b, executor=ex if ex in ("native", "transformers")
+                                                else "native", cuda_graphs=ex == "graphs"))
                    for ex in kinds}
+        if args.graphs and runners["graphs"].graphs is None:
+            from specray.workers.step_graphs import StepGraphs
+
+            r = runners["graphs"]           # no CUDA: the padded forward, uncaptured
+            r.graphs = StepGraphs(r.native, r.kv, b, r.max_model_len, capture=False)
         if args.compiled:
             native = runners["compiled"].native
             native.forward = torch.compile(native.forward, dynamic=True)
@@ -93,6 +104,10 @@ def main() -> None:
             if args.compiled:
                 comp = statistics.median(times["compiled"][1:]) * 1e3
                 line += f" {comp:>11.3f} {nat / comp:>14.2f}"
+            if args.graphs:
+                gr = statistics.median(times["graphs"][1:]) * 1e3
+                gdiff = (outs["native"] - outs["graphs"]).abs().max().item()
+                line += f" {gr:>9.3f} {nat / gr:>12.2f} {gdiff:>11.2e}"
             print(line)
 
 

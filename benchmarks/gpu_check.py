@@ -4,9 +4,10 @@
 
 1. Greedy exactness on the device: the built-in pair's greedy output through every
    runtime layout (co-located, worker actors, compiled graph channels; draft, n-gram and
-   no proposer; the native executor, and the transformers path co-located) must equal
-   transformers' own greedy ``generate`` on the same device and dtype, token for token.
-2. ``benchmarks/executor_forward.py``: per-forward time of both executors on the device.
+   no proposer; CUDA graphs on, and off co-located) must equal transformers' own greedy
+   ``generate`` on the same device and dtype, token for token.
+2. ``benchmarks/executor_forward.py --graphs``: per-forward time of the native executor
+   eager, replayed as CUDA graphs, and the transformers path, at batch 1, 8 and 32.
 3. ``specray bench`` (co-located and compiled graph runs) on the device, tables printed.
 
 Exits 1 on any mismatch. Everything runs on one private local Ray.
@@ -15,6 +16,7 @@ Exits 1 on any mismatch. Everything runs on one private local Ray.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +52,8 @@ def main() -> int:
     failures = []
     # Draft and target workers each ask for a whole GPU by default: half each fits one GPU.
     half = {"target_resources": {"GPU": 0.5}, "draft_resources": {"GPU": 0.5}}
-    layouts = {"co-located": {"colocate": True}, "actors": half, "compiled graph": {"compiled_graph": True, **half}}
+    layouts = {"co-located": {"colocate": True}, "co-located eager": {"colocate": True, "cuda_graphs": False},
+               "actors": half, "compiled graph": {"compiled_graph": True, **half}}
     for name, layout in layouts.items():
         for proposer in ("draft", "ngram", "none"):
             cfg = RuntimeConfig(target=target, draft=draft if proposer == "draft" else None, proposer=proposer,
@@ -71,6 +74,10 @@ def main() -> int:
             finally:
                 rt.shutdown()
     ray.shutdown()
+
+    print("\nper forward, native eager / CUDA graphs / transformers:", flush=True)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("executor_forward.py")), "--device", args.device,
+                    "--batch-sizes", args.batch_sizes, "--repeats", "100", "--graphs"], check=False)
 
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     for layout in ({"colocate": True}, {"compiled_graph": True}):

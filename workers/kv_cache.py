@@ -40,7 +40,10 @@ class KVCache:
         # step). Slot counts alone are rounded up to blocks and include reserved slots never
         # written, so they cannot tell a driver bug from a real cache hit.
         self.written: dict[int, int] = {}
-        slots = num_blocks * block_size
+        # One block past the pool's: a scratch block no sequence owns, where the padding
+        # rows of a bucketed (CUDA graph) step write.
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         self.layers = [(torch.zeros(slots, kvh, head_dim, dtype=dtype, device=device),
                         torch.zeros(slots, kvh, head_dim, dtype=dtype, device=device)) for _ in range(layers)]
 

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from specray.scheduler.messages import StepPlan
-from specray.workers import llama_model, model_loader
+from specray.workers import llama_model, model_loader, step_graphs
 from specray.workers.kv_cache import KVCache, default_num_blocks
 from specray.workers.paged_attention import build_metadata
 from specray.workers.worker_config import EXECUTORS, PlanError, WorkerConfig
@@ -36,6 +36,10 @@ class ModelRunner:
             # The native executor holds its own fused, transposed copies: drop the modules so
             # the weights are not held twice.
             self.model = None
+        self.graphs = None
+        if self.native is not None and cfg.cuda_graphs and step_graphs.available(self.device):
+            self.graphs = step_graphs.StepGraphs(self.native, self.kv, cfg.max_num_seqs, self.max_model_len,
+                                                 capture=self.device.type == "cuda")
 
     def _select_executor(self, choice: str):
         """specray's own executor for the families it covers, else transformers' modules."""
@@ -89,8 +93,12 @@ class ModelRunner:
                 input_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] on the device (packed, ``num_new[i]`` per sequence);
         logits_index: [m] packed rows whose logits are wanted. Returns float32 [m, V]."""
-        meta, positions = build_metadata(self.kv.layers, self.kv.tables(seq_ids), num_computed, num_new,
-                                         self.kv.block_size, self.device)
+        tables = self.kv.tables(seq_ids)
+        shape = self.graphs.shape(num_computed, num_new) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.run(shape, tables, num_computed, input_ids, logits_index).float()
+        meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,
+                                         self.device)
         if self.native is not None:
             return self.native.forward(input_ids, positions, meta, logits_index).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),

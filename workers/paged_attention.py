@@ -78,6 +78,13 @@ class AttentionMetadata:
         return self._context
 
 
+def slot_mapping(block_index: torch.Tensor, q_pos: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """The cache slot [n * Qmax] of each padded query row, from the block index [n * W]
+    and the query positions [n, Qmax] (device ops only: CUDA graphs capture it)."""
+    n = q_pos.shape[0]
+    return (block_index.view(n, width).gather(1, q_pos // block_size) * block_size + q_pos % block_size).view(-1)
+
+
 def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
     """Host-side construction of one forward's metadata; returns it and positions [T]."""
@@ -103,13 +110,12 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
     ints = torch.tensor(blocks + q_positions + q_src + q_index, dtype=torch.long).to(device, non_blocking=True)
     block_index, q_pos, q_src_t, q_index_t = ints.split([len(blocks), n * qmax, len(q_src), len(q_index)])
     q_pos = q_pos.view(n, qmax)
-    slots = block_index.view(n, width).gather(1, q_pos // block_size) * block_size + q_pos % block_size
-    positions, slot_mapping = q_pos.view(-1), slots.view(-1)
+    positions, slots = q_pos.view(-1), slot_mapping(block_index, q_pos, width, block_size)
     if ragged:
-        positions, slot_mapping = positions.index_select(0, q_index_t), slot_mapping.index_select(0, q_index_t)
+        positions, slots = positions.index_select(0, q_index_t), slots.index_select(0, q_index_t)
     else:
         q_src_t = q_index_t = None
-    meta = AttentionMetadata(kv_caches, block_size, slot_mapping, block_index, q_pos, q_src_t, q_index_t,
+    meta = AttentionMetadata(kv_caches, block_size, slots, block_index, q_pos, q_src_t, q_index_t,
                              n, qmax, prefill=not any(num_computed))
     return meta, positions
 

@@ -26,6 +26,9 @@ class ModelConfig:
     executor: str = field(default="auto", metadata={
         "help": "forward path: auto (specray's own for Llama/Mistral/Qwen2/Qwen3, else transformers), "
                 "native (refuse other models) or transformers", "choices": EXECUTORS})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "on CUDA, replay decode and verify steps of the native executor as CUDA graphs "
+                "(captured per batch bucket on first use); off: every step eager"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -38,6 +41,8 @@ class ModelConfig:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         check_choice("executor", self.executor, EXECUTORS)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
 
 
 @dataclass
@@ -54,6 +59,7 @@ class WorkerConfig:
     # has loaded any config itself.
     window_of: str | None = None
     executor: str = "auto"   # see ModelConfig.executor
+    cuda_graphs: bool = True  # see ModelConfig.cuda_graphs
 
     @classmethod
     def target_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
@@ -68,7 +74,7 @@ class WorkerConfig:
         return cls(path, dtype=model.dtype, device=model.device, block_size=cache.block_size,
                    num_kv_blocks=cache.num_kv_blocks, max_model_len=model.max_model_len,
                    max_num_seqs=cache.max_num_seqs, window_of=window_of,
-                   executor=model.executor)
+                   executor=model.executor, cuda_graphs=model.cuda_graphs)
 
 
 class StaleCacheError(RuntimeError):
