@@ -40,6 +40,8 @@ class ModelRunner:
         if self.native is not None and cfg.cuda_graphs and step_graphs.available(self.device):
             self.graphs = step_graphs.StepGraphs(self.native, self.kv, cfg.max_num_seqs, self.max_model_len,
                                                  capture=self.device.type == "cuda")
+            log.info("specray executor: decode and verify steps of %s replay CUDA graphs (batch buckets up to %d)",
+                     cfg.model, cfg.max_num_seqs)
 
     def _select_executor(self, choice: str):
         """specray's own executor for the families it covers, else transformers' modules."""
@@ -96,7 +98,9 @@ class ModelRunner:
         tables = self.kv.tables(seq_ids)
         shape = self.graphs.shape(num_computed, num_new) if self.graphs is not None else None
         if shape is not None:
-            return self.graphs.run(shape, tables, num_computed, input_ids, logits_index).float()
+            out = self.graphs.run(shape, tables, num_computed, input_ids, logits_index)
+            if out is not None:
+                return out.float()
         meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,
                                          self.device)
         if self.native is not None:

@@ -18,12 +18,15 @@ forward runs eagerly: that is what the CPU tests exercise.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from specray.workers.paged_attention import AttentionMetadata, slot_mapping
+
+log = logging.getLogger(__name__)
 
 MAX_QUERY = 32        # tokens per sequence a graphed step may feed (verify windows are k + 1)
 
@@ -61,6 +64,7 @@ class StepGraphs:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
         self.replays = 0
+        self.failed: str | None = None     # why capture failed: every step then runs eagerly
 
     @property
     def num_graphs(self) -> int:
@@ -69,7 +73,7 @@ class StepGraphs:
     def shape(self, num_computed: list[int], num_new: list[int]) -> tuple[int, int, int] | None:
         """The bucket ``(B, q, W)`` a step runs in, or None when it runs eagerly."""
         n, q = len(num_new), num_new[0]
-        if not 0 < q <= MAX_QUERY or min(num_computed) == 0 or any(x != q for x in num_new):
+        if self.failed or not 0 < q <= MAX_QUERY or min(num_computed) == 0 or any(x != q for x in num_new):
             return None
         b = next((b for b in self.buckets if b >= n), None)
         need = -(-(max(num_computed) + q) // self.block_size)
@@ -79,10 +83,20 @@ class StepGraphs:
         return b, q, w
 
     def run(self, shape: tuple[int, int, int], tables: list[list[int]], num_computed: list[int],
-            input_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """Logits of ``logits_index`` (packed rows of the unpadded step) from the bucket's graph."""
+            input_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``logits_index`` (packed rows of the unpadded step) from the bucket's
+        graph; None when the graph could not be captured (the caller runs the step eagerly)."""
         b, q, w = shape
-        g = self._graphs.get(shape) or self._build(shape)
+        g = self._graphs.get(shape)
+        if g is None:
+            try:
+                g = self._build(shape)
+            except Exception as e:  # noqa: BLE001 - a capture failure must not fail the step
+                # The warm-up and capture wrote only the scratch block: the eager path is safe.
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("specray: CUDA graph capture of bucket %s failed (%s); steps run eagerly",
+                            shape, self.failed)
+                return None
         n = len(tables)
         scratch = self.kv.scratch_block
         blocks: list[int] = []

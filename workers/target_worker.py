@@ -29,7 +29,6 @@ class TargetWorker(ModelWorker):
         r.kv.apply(plan, plens)          # proposals are fed: their K/V is written too
         if n == 0:
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
-        dev = r.device
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, plens, k)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
                            r.to_device(batch.score_rows))                             # [n * (k+1), V]

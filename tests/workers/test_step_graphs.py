@@ -136,3 +136,19 @@ def test_the_runtime_serves_through_bucketed_steps(llama_pair, monkeypatch):
     assert [o.token_ids for o in out] == hf_greedy(t, prompts, 16)
     assert accepted > 0
     assert {q for _, q, _ in replays} >= {1, 4}        # draft passes and full verify windows
+
+
+def test_a_failed_capture_leaves_steps_eager(tiny_model, plan_builder, monkeypatch):
+    path = tiny_model("llama", seed=43)
+    graphed, eager = runner_for(path, graphs=True), runner_for(path, graphs=False)
+
+    def broken(self, shape):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepGraphs, "_build", broken)
+    sg, se = {}, {}
+    for feeds in ({0: [1, 2, 3], 1: [4, 5]}, {0: [6], 1: [7]}, {0: [8], 1: [9]}):
+        x, y = step(graphed, plan_builder, sg, feeds), step(eager, plan_builder, se, feeds)
+        assert all(torch.equal(x[s], y[s]) for s in feeds)
+    assert "stream is capturing" in graphed.graphs.failed and graphed.graphs.replays == 0
+    assert graphed.graphs.shape([6], [1]) is None
