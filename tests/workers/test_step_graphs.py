@@ -152,3 +152,15 @@ def test_a_failed_capture_leaves_steps_eager(tiny_model, plan_builder, monkeypat
         assert all(torch.equal(x[s], y[s]) for s in feeds)
     assert "stream is capturing" in graphed.graphs.failed and graphed.graphs.replays == 0
     assert graphed.graphs.shape([6], [1]) is None
+
+
+def test_cuda_graphs_option_is_checked_and_reaches_the_workers():
+    from specray.scheduler.config import CacheConfig
+    from specray.workers.worker_config import ModelConfig
+
+    with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
+        ModelConfig(target="t", cuda_graphs="yes")
+    off = ModelConfig(target="t", draft="d", cuda_graphs=False)
+    assert not WorkerConfig.target_of(off, CacheConfig()).cuda_graphs
+    assert not WorkerConfig.draft_of(off, CacheConfig()).cuda_graphs
+    assert RuntimeConfig(target="t", proposer="none", cuda_graphs=False).model.cuda_graphs is False
