@@ -510,7 +510,12 @@ def _t975(df: int) -> float:
 def paired_ratios(runs: list[Run]) -> list[dict]:
     """Each specray draft policy's tokens/s over plain decoding's, over the other
     policies' and over the best of those, within each repeat (``within_repeats``). The
-    spread says how far two configurations differ by noise alone."""
+    spread says how far two configurations differ by noise alone.
+
+    "best other" is the one configuration with the highest geometric mean over the
+    repeats, named in ``best``. Not each repeat's faster one: where two are about even,
+    the larger of two noisy samples beats both their means, and a configuration held to
+    it scores below 1 even against itself."""
     out = []
     for run in runs:
         if run.system != "specray" or run.proposer != "draft" or run.mode != "greedy":
@@ -521,11 +526,13 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
         if not others:
             continue
         # Adaptive variants are compared one by one, not as what a policy must beat.
-        others["best other"] = [max(xs) for xs in zip(*(v for name, v in others.items() if ":" not in name))]
+        mains = [name for name in others if ":" not in name]
+        best = max(mains, key=lambda name: sum(math.log(x) for x in others[name] if x > 0) / len(others[name]))
+        others["best other"] = others[best]
         for name, base in others.items():
             if (ratio := within_repeats(run.samples, base)) is not None:
                 out.append({"batch_size": run.batch_size, "policy": run.policy, "k": run.k, "against": name,
-                            **ratio})
+                            **({"best": best} if name == "best other" else {}), **ratio})
     return out
 
 
@@ -587,7 +594,8 @@ def _policy(r: dict) -> str:
 
 def format_table(result: dict) -> str:
     w = max([8] + [len(_policy(r)) for r in result["runs"]])        # the policy column, variants included
-    a = max([14] + [len(p["against"]) for p in result.get("paired", [])])
+    against = lambda p: p["against"] + (f" ({p['best']})" if p.get("best") else "")  # noqa: E731
+    a = max([14] + [len(against(p)) for p in result.get("paired", [])])
     head = f"{'system':8} {'proposer':9} {'policy':{w}} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
@@ -613,7 +621,7 @@ def format_table(result: dict) -> str:
         lines += [head, "-" * len(head)]
         for p in result["paired"]:
             ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
-            lines.append(f"{_policy(p):{w}} {p['batch_size']:>5} {p['against']:>{a}} {p['median']:>6.3f} "
+            lines.append(f"{_policy(p):{w}} {p['batch_size']:>5} {against(p):>{a}} {p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
     if result.get("batch1_ratios"):
         lines.append("")

@@ -144,13 +144,16 @@ def test_paired_ratios_compare_runs_within_each_repeat():
     got = {(p["policy"], p["against"]): p for p in paired_ratios([adaptive, static, none, hf, other_batch])}
     assert set(got) == {("adaptive", "draft/static"), ("adaptive", "none"), ("adaptive", "best other"),
                         ("static", "draft/adaptive"), ("static", "none"), ("static", "best other")}
+    # The best other is the configuration ahead over the repeats (plain decoding: geometric
+    # mean 81.4 against static's 80.7), not each repeat's faster one.
     best = got[("adaptive", "best other")]
-    assert best["median"] == pytest.approx(100 / 105)
-    assert (best["min"], best["max"]) == (pytest.approx(110 / 120), pytest.approx(1.1))
+    assert best["best"] == "none" and got[("static", "best other")]["best"] == "draft/adaptive"
+    assert best["median"] == pytest.approx(1.1)
+    assert (best["min"], best["max"]) == (pytest.approx(110 / 120), pytest.approx(100 / 90))
     assert got[("static", "none")]["median"] == pytest.approx(1.0)
     # The geometric mean and its 95 % interval: Student's t with 2 degrees of freedom on
     # the log ratios.
-    logs = [math.log(110 / 120), math.log(100 / 105), math.log(55 / 50)]
+    logs = [math.log(110 / 120), math.log(100 / 90), math.log(55 / 50)]
     half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
     assert best["geomean"] == pytest.approx(math.exp(statistics.fmean(logs)))
     assert best["ci95"] == pytest.approx([math.exp(statistics.fmean(logs) - half),
