@@ -1,9 +1,10 @@
 """Attention over a paged KV cache for packed, variable-length batches.
 
-The model runs with its own transformers code; only the attention function is ours,
-registered through ``AttentionInterface``. The packed batch is passed as one sequence
-(``[1, T]`` with explicit ``position_ids``); per-sequence structure travels in
-``AttentionMetadata`` as an explicit keyword argument of the model call.
+``attend`` takes packed ``[T, heads, D]`` tensors: the native executor
+(``llama_model``) calls it directly. A model on the transformers path reaches it through
+``paged_attention``, registered with ``AttentionInterface``: the packed batch is passed as
+one sequence (``[1, T]`` with explicit ``position_ids``) and per-sequence structure
+travels in ``AttentionMetadata`` as an explicit keyword argument of the model call.
 
 Layout, block_size = 4, two sequences (s0: 5 cached + 2 new, s1: 0 cached + 3 new)::
 
