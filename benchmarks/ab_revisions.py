@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -80,12 +79,6 @@ def checkout(rev: str, into: Path) -> Path:
     return into
 
 
-def t975(df: int) -> float:
-    table = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-             2.131, 2.120, 2.110, 2.101, 2.093, 2.086]
-    return table[df - 1] if df <= len(table) else 1.96 + 2.4 / df
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="git revision measured as the baseline")
@@ -133,13 +126,14 @@ def main() -> int:
             for w in worktrees:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(w)], check=False,
                                capture_output=True)
-    logs = [math.log(b / o) for b, o in zip(*seconds)]
-    mean = statistics.fmean(logs)
-    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    tps = [args.batch * args.tokens / statistics.median(s) for s in seconds]
-    print(f"{args.proposer} batch {args.batch}: base {tps[0]:.0f} tokens/s, other {tps[1]:.0f} tokens/s; "
-          f"other over base {math.exp(mean):.3f} (95 %: {math.exp(mean - half):.3f}-{math.exp(mean + half):.3f}), "
-          f"{len(logs)} rounds")
+    from specray.bench import within_repeats
+
+    tps = [[args.batch * args.tokens / x for x in s] for s in seconds]
+    ratio = within_repeats(tps[1], tps[0])
+    low, high = ratio["ci95"] or (float("nan"), float("nan"))
+    print(f"{args.proposer} batch {args.batch}: base {statistics.median(tps[0]):.0f} tokens/s, other "
+          f"{statistics.median(tps[1]):.0f} tokens/s; other over base {ratio['geomean']:.3f} "
+          f"(95 %: {low:.3f}-{high:.3f}), {len(seconds[0])} rounds")
     return 0
 
 

@@ -96,9 +96,8 @@ class ModelRunner:
         """input_ids: [T] on the device (packed, ``num_new[i]`` per sequence);
         logits_index: [m] packed rows whose logits are wanted. Returns float32 [m, V]."""
         tables = self.kv.tables(seq_ids)
-        shape = self.graphs.shape(num_computed, num_new) if self.graphs is not None else None
-        if shape is not None:
-            out = self.graphs.run(shape, tables, num_computed, input_ids, logits_index)
+        if self.graphs is not None:
+            out = self.graphs.run(tables, num_computed, num_new, input_ids, logits_index)
             if out is not None:
                 return out.float()
         meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,

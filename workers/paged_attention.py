@@ -86,6 +86,17 @@ def slot_mapping(block_index: torch.Tensor, q_pos: torch.Tensor, width: int, blo
     return (block_index.view(n, width).gather(1, q_pos // block_size) * block_size + q_pos % block_size).view(-1)
 
 
+def block_rows(block_tables: list[list[int]], width: int) -> list[int]:
+    """Each table's first ``width`` blocks, padded with block 0 (hidden by causality): the
+    flat block index [n * W]."""
+    blocks: list[int] = []
+    for table in block_tables:
+        row = table[:width]
+        blocks += row
+        blocks += [0] * (width - len(row))
+    return blocks
+
+
 def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
     """Host-side construction of one forward's metadata; returns it and positions [T]."""
@@ -95,12 +106,10 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
     ragged = min(num_new) != qmax
     # Per-token lists only through range/list concatenation (C speed), then one host
     # tensor and one copy to the device.
-    blocks, q_positions, q_src, q_index = [], [], [], []
+    blocks = block_rows(block_tables, width)
+    q_positions, q_src, q_index = [], [], []
     packed_start = 0
-    for i, (table, start, q) in enumerate(zip(block_tables, num_computed, num_new)):
-        row = table[:width]
-        blocks += row
-        blocks += [0] * (width - len(row))
+    for i, (start, q) in enumerate(zip(num_computed, num_new)):
         q_positions += range(start, start + q)
         if ragged:
             q_positions += [start + q - 1] * (qmax - q)

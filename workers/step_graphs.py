@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from specray.workers.paged_attention import AttentionMetadata, slot_mapping
+from specray.workers.paged_attention import AttentionMetadata, block_rows, slot_mapping
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class _Graph:
     ints: torch.Tensor                  # [B * W + B * q] long: block index, then query positions
     run: Callable[[], torch.Tensor]     # the replay (or, uncaptured, the forward); -> logits [B * q, V]
     out: torch.Tensor | None = None     # the captured output
-    graph: object = None                # its torch.cuda.CUDAGraph
 
 
 class StepGraphs:
@@ -66,10 +65,6 @@ class StepGraphs:
         self.replays = 0
         self.failed: str | None = None     # why capture failed: every step then runs eagerly
 
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
-
     def shape(self, num_computed: list[int], num_new: list[int]) -> tuple[int, int, int] | None:
         """The bucket ``(B, q, W)`` a step runs in, or None when it runs eagerly."""
         n, q = len(num_new), num_new[0]
@@ -82,10 +77,14 @@ class StepGraphs:
             return None
         return b, q, w
 
-    def run(self, shape: tuple[int, int, int], tables: list[list[int]], num_computed: list[int],
-            input_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor | None:
-        """Logits of ``logits_index`` (packed rows of the unpadded step) from the bucket's
-        graph; None when the graph could not be captured (the caller runs the step eagerly)."""
+    def run(self, tables: list[list[int]], num_computed: list[int], num_new: list[int], input_ids: torch.Tensor,
+            logits_index: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``logits_index`` (packed rows of the unpadded step) from its bucket's
+        graph; None when the step is not bucketed (``shape``) or its graph could not be
+        captured: the caller runs it eagerly."""
+        shape = self.shape(num_computed, num_new)
+        if shape is None:
+            return None
         b, q, w = shape
         g = self._graphs.get(shape)
         if g is None:
@@ -98,13 +97,7 @@ class StepGraphs:
                             shape, self.failed)
                 return None
         n = len(tables)
-        scratch = self.kv.scratch_block
-        blocks: list[int] = []
-        for table in tables:
-            row = table[:w]
-            blocks += row
-            blocks += [0] * (w - len(row))
-        blocks += [scratch] * ((b - n) * w)
+        blocks = block_rows(tables, w) + [self.kv.scratch_block] * ((b - n) * w)
         positions: list[int] = []
         for c in num_computed:
             positions += range(c, c + q)
@@ -143,7 +136,6 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 g.out = self._forward(b, q, w, g)
             self._pool = graph.pool()
-            g.graph = graph
 
             def replay() -> torch.Tensor:
                 graph.replay()

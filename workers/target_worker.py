@@ -38,21 +38,20 @@ class TargetWorker(ModelWorker):
         # tensor ops than a masked device computation, and the same one host sync.
         argmax = scores.argmax(dim=-1).view(-1)
         sampled = [i for i, t in enumerate(plan.temperature) if t > 0]
-        if not sampled:
-            grid = argmax.tolist()
-            emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
+        if sampled:
+            out, counts = self._sample(plan, plens, sampled, scores, draft_probs)
+            flat = torch.cat([argmax, counts, out.view(-1)]).tolist()      # still one host sync
+            cells, m = n * (k + 1), len(sampled)
+            grid, counts, out = flat[:cells], flat[cells:cells + m], flat[cells + m:]
         else:
-            out, counts = self._sample(plan, sampled, scores, draft_probs)
-            flat = torch.cat([argmax, counts, out.view(-1)]).tolist()
-            grid, counts, out = flat[:n * (k + 1)], flat[n * (k + 1):n * (k + 1) + len(sampled)], \
-                flat[n * (k + 1) + len(sampled):]
-            emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
-            for j, i in enumerate(sampled):
-                emitted[i] = out[j * (k + 1):j * (k + 1) + counts[j]]
+            grid = argmax.tolist()
+        emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
+        for j, i in enumerate(sampled):
+            emitted[i] = out[j * (k + 1):j * (k + 1) + counts[j]]
         return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids),
                           num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
 
-    def _sample(self, plan: StepPlan, rows: list[int], scores, draft_probs):
+    def _sample(self, plan: StepPlan, plens: list[int], rows: list[int], scores, draft_probs):
         """Rejection sampling for the sequences ``rows`` (batch indices) that sample:
         their emitted tokens [m, k+1] (-1 past the emitted) and counts [m]."""
         r = self.runner
@@ -66,7 +65,7 @@ class TargetWorker(ModelWorker):
                                 rep(plan.top_k), rep(plan.top_p)).view(m, k1, vocab)
         props = plan.proposal_token_ids
         draft_ids = r.to_device([props[i * k + j] for i in rows for j in range(k)] if props else [-1] * (m * k))
-        lens = r.to_device([plan.proposal_lens[i] if props else 0 for i in rows])
+        lens = r.to_device([plens[i] for i in rows])
         q, has_q = self._draft_probs(draft_probs, [plan.draft_rows[i] if plan.draft_rows else -1 for i in rows], dev)
         base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])         # L_i
         positions = base.unsqueeze(-1) + torch.arange(k1, device=dev)                      # [m, k+1]
