@@ -157,7 +157,7 @@ class DraftWorker(ModelWorker):
         rows = list(range(n))
         ends = torch.tensor(plan.num_new).cumsum(0) - 1
         logits = r.forward(plan.seq_ids, plan.num_computed, plan.num_new,
-                           r.to_device(plan.token_ids), ends.to(dev))[:, :w]           # [n, w]
+                           r.to_device(plan.token_ids), ends.to(dev), tail=[1] * n)[:, :w]   # [n, w]
         for p in range(k):
             if p > 0:
                 rows = [i for i in rows if lens[i] > p]

@@ -10,8 +10,8 @@ no transformers masks or caches. Attention is specray's paged attention
 
 ``supports(hf_model)`` says whether a loaded model can run here (else ``None`` and the
 reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
-``forward(input_ids [T], positions [T], meta, logits_index [m])`` returns logits
-[m, V] in the model's dtype, equal in math to transformers' forward.
+``forward(input_ids [T], positions [T], meta, logits_index [m], tail=None)`` returns
+logits [m, V] in the model's dtype, equal in math to transformers' forward.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from specray.workers.paged_attention import AttentionMetadata, attend
+from specray.workers.paged_attention import AttentionMetadata, QueryTail, attend, write_kv
 from specray.workers.rotary import STATIC_ROPE_TYPES, RotaryTable, apply_rotary, rope_type
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -120,11 +120,15 @@ class NativeCausalLM:
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_index: torch.Tensor) -> torch.Tensor:
+                logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+        """``tail``: the rows ``logits_index`` draws from, when they are few (a prefill
+        wants one row per sequence): the last layer writes every row's K/V, then attends,
+        projects and runs its MLP for those rows alone; no other row's output is read."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions)
         t = h.shape[0]
         residual = None
+        last = self.layers[-1] if self.layers else None
         for L in self.layers:
             if residual is None:
                 residual = h
@@ -137,6 +141,10 @@ class NativeCausalLM:
             if L.qk_norm is not None:
                 qk = rms_norm(qk, L.qk_norm, self.eps)
             qk = apply_rotary(qk, cos, sin)
+            if tail is not None and L is last:
+                write_kv(L.idx, qk[:, self.heads:], v, meta)
+                qk, v, residual = qk[tail.rows], v[tail.rows], residual[tail.rows]
+                meta, logits_index, t = tail.meta, tail.logits_index, tail.rows.shape[0]
             o = attend(L.idx, qk[:, :self.heads], qk[:, self.heads:], v, meta, L.scaling, L.window)
             h = _mm(o.reshape(t, self.q_size), L.o_w)
             residual = residual + h

@@ -11,7 +11,7 @@ import torch
 from specray.scheduler.messages import StepPlan
 from specray.workers import llama_model, model_loader, step_graphs
 from specray.workers.kv_cache import KVCache, default_num_blocks
-from specray.workers.paged_attention import build_metadata
+from specray.workers.paged_attention import build_metadata, query_tail
 from specray.workers.worker_config import EXECUTORS, PlanError, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seq_ids: list[int], num_computed: list[int], num_new: list[int],
-                input_ids: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+                input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None) -> torch.Tensor:
         """input_ids: [T] on the device (packed, ``num_new[i]`` per sequence);
-        logits_index: [m] packed rows whose logits are wanted. Returns float32 [m, V]."""
+        logits_index: [m] packed rows whose logits are wanted; ``tail`` (optional): per
+        sequence, how many of its last fed rows those lie in. Where the tails are at most
+        half the step (a prefill, a draft's catch-up), the native executor's last layer
+        runs on them alone. Returns float32 [m, V]."""
         tables = self.kv.tables(seq_ids)
         if self.graphs is not None:
             out = self.graphs.run(tables, num_computed, num_new, input_ids, logits_index)
@@ -103,7 +106,11 @@ class ModelRunner:
         meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,
                                          self.device)
         if self.native is not None:
-            return self.native.forward(input_ids, positions, meta, logits_index).float()
+            rest = None
+            if tail is not None and 2 * sum(tail) <= input_ids.shape[0]:
+                rest = query_tail(self.kv.layers, tables, num_computed, num_new, tail, logits_index,
+                                  self.kv.block_size, self.device)
+            return self.native.forward(input_ids, positions, meta, logits_index, rest).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                          use_cache=False, logits_to_keep=logits_index, specray_meta=meta)
         return out.logits[0].float()

@@ -130,13 +130,51 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
     return meta, positions
 
 
+@dataclass
+class QueryTail:
+    """The last ``counts[i]`` fed rows of each sequence as a step of their own over the same
+    cache (their K/V, and everything before them, written by the full step): what a
+    forward's last layer still has to compute when only those rows' logits are wanted."""
+
+    meta: AttentionMetadata
+    rows: torch.Tensor            # [R] the full step's packed rows, in tail order
+    logits_index: torch.Tensor    # [m] the wanted rows, as tail rows
+
+
+def query_tail(kv_caches, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
+               counts: list[int], logits_index: torch.Tensor, block_size: int, device: torch.device) -> QueryTail:
+    """``counts[i]``: how many of sequence i's last fed rows ``logits_index`` draws from (0:
+    none of them; the sequence is left out). Every wanted row must lie in a tail."""
+    rows: list[int] = []
+    tables, computed, tail = [], [], []
+    end = 0
+    for table, c, q, r in zip(block_tables, num_computed, num_new, counts):
+        end += q
+        if r > 0:
+            rows += range(end - r, end)
+            tables.append(table)
+            computed.append(c + q - r)
+            tail.append(r)
+    meta, _ = build_metadata(kv_caches, tables, computed, tail, block_size, device)
+    rows_t = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    remap = torch.full((end,), -1, dtype=torch.long, device=device)
+    remap[rows_t] = torch.arange(len(rows), device=device)
+    return QueryTail(meta, rows_t, remap[logits_index])
+
+
+def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """k/v [T, KVH, D] into layer ``layer``'s cache at ``meta.slot_mapping``."""
+    k_cache, v_cache = meta.kv_caches[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
            scaling: float | None, sliding_window: int | None = None) -> torch.Tensor:
     """Packed attention for layer ``layer``: q [T, H, D], k/v [T, KVH, D] (RoPE applied)
     -> [T, H, D]. Writes k/v into the layer's cache at ``meta.slot_mapping`` first."""
+    write_kv(layer, k, v, meta)
     k_cache, v_cache = meta.kv_caches[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     n, qmax = meta.num_seqs, meta.max_query_len
     heads, d = q.shape[1:]

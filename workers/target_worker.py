@@ -31,7 +31,7 @@ class TargetWorker(ModelWorker):
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, plens, k)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.score_rows))                             # [n * (k+1), V]
+                           r.to_device(batch.score_rows), tail=[m + 1 for m in plens])   # [n * (k+1), V]
         vocab = logits.shape[-1]
         scores = logits.view(n, k + 1, vocab)
         # Greedy rows are decided on the host from the argmax grid ([n, k+1] ints): fewer

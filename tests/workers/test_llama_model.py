@@ -9,6 +9,8 @@ onto the transformers path gives the same logits over the same paged cache.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -48,12 +50,15 @@ def runner_for(path, executor="native", dtype="float32", blocks=64):
 
 
 class Greedy:
-    """Greedy decoding through a runner as driver + worker would drive it."""
+    """Greedy decoding through a runner as driver + worker would drive it. With ``wanted``,
+    a step asks for the logits of each sequence's last ``wanted(s, fed)`` rows only, and says
+    so (``tail``), as the workers do: a prefill's last layer then runs on those rows alone."""
 
-    def __init__(self, runner, plan_builder):
-        self.r, self.plan = runner, plan_builder
+    def __init__(self, runner, plan_builder, wanted=None):
+        self.r, self.plan, self.wanted = runner, plan_builder, wanted
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
+        self.tail_steps = 0
 
     def step(self, feeds: dict[int, list[int]], free=()):
         r = self.r
@@ -64,16 +69,25 @@ class Greedy:
         r.kv.apply(self.plan(sids, comp, new, toks, [c + n for c, n in zip(comp, new)], free_seq_ids=list(free)))
         for s in free:
             self.computed.pop(s, None)
-        logits = r.forward(sids, comp, new, r.to_device(toks), r.to_device(list(range(len(toks)))))
+        if self.wanted is None:
+            keep, tail = new, None
+            index = list(range(len(toks)))
+        else:
+            keep = tail = [self.wanted(s, n) for s, n in zip(sids, new)]
+            ends = itertools.accumulate(new)
+            index = [row for e, w in zip(ends, keep) for row in range(e - w, e)]
+            self.tail_steps += 2 * sum(tail) <= len(toks)
+        logits = r.forward(sids, comp, new, r.to_device(toks), r.to_device(index), tail=tail)
         out = {}
-        for s, rows, c in zip(sids, logits.split(new), comp):
+        for s, rows, c in zip(sids, logits.split(keep), comp):
             self.computed[s] = c + len(feeds[s])
             out[s] = rows
         return out
 
 
+@pytest.mark.parametrize("tails", [False, True], ids=["all_rows", "tails"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_native_greedy_equals_generate(name, dirs, plan_builder):
+def test_native_greedy_equals_generate(name, tails, dirs, plan_builder):
     path = dirs[name]
     runner = runner_for(path)
     assert runner.executor == "native"
@@ -81,7 +95,9 @@ def test_native_greedy_equals_generate(name, dirs, plan_builder):
     prompts = {s: torch.randint(0, VOCAB, (n,), generator=g).tolist() for s, n in zip(range(3), (9, 3, 14))}
     n_new = 12
     want = dict(zip(prompts, hf_greedy(path, list(prompts.values()), n_new)))
-    gr = Greedy(runner, plan_builder)
+    # With tails: the last row of a prefill or decode, the three rows of a verify step.
+    verify: set[int] = set()
+    gr = Greedy(runner, plan_builder, wanted=(lambda s, fed: 3 if s in verify else 1) if tails else None)
     got = {s: [] for s in prompts}
     # Packed prefill of a mixed batch; sequence 1 joins one step late.
     first = {s: p for s, p in prompts.items() if s != 1}
@@ -97,7 +113,7 @@ def test_native_greedy_equals_generate(name, dirs, plan_builder):
                 feeds[s] = prompts[s] + got[s]                   # (re)prefill: joining late or recomputed
             elif len(got[s]) < n_new:
                 feeds[s] = got[s][-1:]
-        verify = set()
+        verify.clear()
         if step % 3 == 0:
             # A verify-shaped step: the last token plus the reference's next two (a correct
             # proposal); the three rows then predict the next three tokens.
@@ -113,6 +129,7 @@ def test_native_greedy_equals_generate(name, dirs, plan_builder):
             produced = rows.argmax(-1).tolist()
             got[s] += produced if s in verify else produced[-1:]
     assert got == want, (str(got), str(want))
+    assert gr.tail_steps >= (2 if tails else 0)     # the first prefill and the recompute
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -165,3 +182,33 @@ def test_supports_names_unknown_families():
 def test_executor_choice_is_checked():
     with pytest.raises(ValueError, match="executor"):
         ModelConfig(target="x", executor="fast")
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa", "qwen3_qknorm"])
+def test_a_forward_asked_for_tails_gives_their_logits_and_writes_every_rows_cache(name, dirs, plan_builder):
+    # Two runners over the same checkpoint and plans: one computes every row, the other is
+    # told where the wanted rows lie. A mixed step: a cached sequence feeding a chunk (two
+    # wanted rows, one asked twice), one wanting nothing (left out of the tail), a fresh
+    # prompt (its last row).
+    path = dirs[name]
+    full, part = runner_for(path), runner_for(path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 3)]
+    for r in (full, part):
+        r.kv.apply(plan_builder([0, 1], [0, 0], [9, 3], prompts[0] + prompts[1], [9, 3]))
+        r.forward([0, 1], [0, 0], [9, 3], r.to_device(prompts[0] + prompts[1]), r.to_device([8, 11]))
+    feeds = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 1, 12)]
+    toks = [t for f in feeds for t in f]
+    comp, new = [9, 3, 0], [7, 1, 12]
+    index = [5, 6, 6, 19]
+    for r in (full, part):
+        r.kv.apply(plan_builder([0, 1, 2], comp, new, toks, [c + n for c, n in zip(comp, new)]))
+    want = full.forward([0, 1, 2], comp, new, full.to_device(toks), full.to_device(list(range(20))))
+    got = part.forward([0, 1, 2], comp, new, part.to_device(toks), part.to_device(index), tail=[2, 0, 1])
+    assert torch.allclose(got, want[index], atol=1e-5, rtol=0)
+    # Every fed row's K/V reached the cache, in every layer, the last one included.
+    for sid, length in zip([0, 1, 2], [16, 4, 12]):
+        slots = [b * BLOCK + j for b in full.kv.tables([sid])[0] for j in range(BLOCK)][:length]
+        for (fk, fv), (pk, pv) in zip(full.kv.layers, part.kv.layers):
+            assert torch.equal(fk[slots], pk[slots]) and torch.equal(fv[slots], pv[slots])
+    assert full.kv.tables([0, 1, 2]) == part.kv.tables([0, 1, 2])
