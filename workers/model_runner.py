@@ -107,7 +107,8 @@ class ModelRunner:
                                          self.device)
         if self.native is not None:
             rest = None
-            if tail is not None and 2 * sum(tail) <= input_ids.shape[0]:
+            # A tail longer than what its sequence feeds would reach into the one before.
+            if tail is not None and 2 * sum(tail) <= input_ids.shape[0] and all(map(int.__le__, tail, num_new)):
                 rest = query_tail(self.kv.layers, tables, num_computed, num_new, tail, logits_index,
                                   self.kv.block_size, self.device)
             return self.native.forward(input_ids, positions, meta, logits_index, rest).float()

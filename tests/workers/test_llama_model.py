@@ -212,3 +212,13 @@ def test_a_forward_asked_for_tails_gives_their_logits_and_writes_every_rows_cach
         for (fk, fv), (pk, pv) in zip(full.kv.layers, part.kv.layers):
             assert torch.equal(fk[slots], pk[slots]) and torch.equal(fv[slots], pv[slots])
     assert full.kv.tables([0, 1, 2]) == part.kv.tables([0, 1, 2])
+    # A tail longer than what its sequence feeds (it would reach into the previous
+    # sequence's rows) is not taken: the step runs whole.
+    feeds = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 1, 12)]
+    toks = [t for f in feeds for t in f]
+    comp, new = [16, 4, 12], [1, 1, 12]
+    for r in (full, part):
+        r.kv.apply(plan_builder([0, 1, 2], comp, new, toks, [c + n for c, n in zip(comp, new)]))
+    want = full.forward([0, 1, 2], comp, new, full.to_device(toks), full.to_device(list(range(14))))
+    got = part.forward([0, 1, 2], comp, new, part.to_device(toks), part.to_device([0, 1, 13]), tail=[1, 2, 1])
+    assert torch.allclose(got, want[[0, 1, 13]], atol=1e-5, rtol=0)
