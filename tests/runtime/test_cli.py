@@ -213,7 +213,12 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
                 "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "64", "--no-progress"]
     else:   # the built-in pair (a text prompt needs its tokenizer), over compiled graphs
         args = ["generate", "def main():", *flags, "--max-tokens", "2000", "--compiled-graph"]
-    proc = subprocess.Popen(SPECRAY + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # As from a terminal: Ctrl-C's default handling, whatever this test process inherited (a
+    # shell starting a job in the background without job control has it ignore SIGINT, and
+    # children inherit that; Python then leaves it ignored).
+    foreground = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                                        "from specray.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen(foreground + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.time() + 120
