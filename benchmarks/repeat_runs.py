@@ -14,7 +14,7 @@ repeats), with its 95 % interval (Student's t over runs) and every run's value.
 Ratios: specray with no proposer over Hugging Face `generate` per batch size; the draft
 (first policy) over Hugging Face assisted generation at batch 1; and, with both draft
 policies, adaptive, static k and plain decoding each over the better *mode* of the run
-(static k or plain: the one with the higher geometric mean over the run's repeats), and
+(static k or plain, chosen as the bench chooses its "best other": ``best_config``), and
 adaptive over each mode. A configuration held to the better mode scores below 1 even
 where it *is* one of two even modes (the better of two noisy estimates is biased up):
 static's and plain decoding's own figures show by how much.
@@ -24,16 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
-from specray.bench import within_repeats
-
-
-def _gm(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+from specray.bench import best_config, within_repeats
 
 
 def run_ratios(result: dict) -> dict[str, float]:
@@ -43,8 +38,8 @@ def run_ratios(result: dict) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def put(name: str, a: list[float] | None, b: list[float] | None) -> None:
-        if a and b:
-            out[name] = _gm([x / y for x, y in zip(a, b)])
+        if a and b and (ratio := within_repeats(a, b)) is not None:
+            out[name] = ratio["geomean"]
 
     batches = sorted({key[2] for key in runs})
     policies = sorted({key[4] for key in runs if key[1] == "draft" and ":" not in key[4]})
@@ -61,7 +56,7 @@ def run_ratios(result: dict) -> dict[str, float]:
             mode["none"] = runs.get(("specray", "none", b, "greedy", "static"))
             if not all(mode.values()):
                 continue
-            better = max(("static", "none"), key=lambda p: _gm(mode[p]))
+            better = best_config({p: mode[p] for p in ("static", "none")})
             for p in ("adaptive", "static", "none"):
                 put(f"b{b} {p} / better mode", mode[p], mode[better])
             put(f"b{b} adaptive / static", mode["adaptive"], mode["static"])

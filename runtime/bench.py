@@ -473,6 +473,14 @@ def rotated(items: list, rep: int) -> list:
     return items[shift:] + items[:shift]
 
 
+def best_config(samples: dict[str, list[float]]) -> str:
+    """The configuration with the highest geometric mean of its tokens/s over the repeats.
+    Not each repeat's faster one: where two are about even, the larger of two noisy
+    samples beats both their means, and a configuration held to it scores below 1 even
+    against itself."""
+    return max(samples, key=lambda name: sum(math.log(x) for x in samples[name] if x > 0) / len(samples[name]))
+
+
 def within_repeats(samples: list[float], base: list[float]) -> dict | None:
     """``samples[i] / base[i]`` over repeats i (each pair ran minutes apart at most, under
     the same machine load): median, min and max, and the geometric mean with its 95 %
@@ -512,10 +520,7 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
     policies' and over the best of those, within each repeat (``within_repeats``). The
     spread says how far two configurations differ by noise alone.
 
-    "best other" is the one configuration with the highest geometric mean over the
-    repeats, named in ``best``. Not each repeat's faster one: where two are about even,
-    the larger of two noisy samples beats both their means, and a configuration held to
-    it scores below 1 even against itself."""
+    "best other" is ``best_config`` of the others, named in ``best``."""
     out = []
     for run in runs:
         if run.system != "specray" or run.proposer != "draft" or run.mode != "greedy":
@@ -526,8 +531,7 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
         if not others:
             continue
         # Adaptive variants are compared one by one, not as what a policy must beat.
-        mains = [name for name in others if ":" not in name]
-        best = max(mains, key=lambda name: sum(math.log(x) for x in others[name] if x > 0) / len(others[name]))
+        best = best_config({name: v for name, v in others.items() if ":" not in name})
         others["best other"] = others[best]
         for name, base in others.items():
             if (ratio := within_repeats(run.samples, base)) is not None:

@@ -141,11 +141,13 @@ class NativeCausalLM:
             if L.qk_norm is not None:
                 qk = rms_norm(qk, L.qk_norm, self.eps)
             qk = apply_rotary(qk, cos, sin)
-            if tail is not None and L is last:
+            written = tail is not None and L is last
+            if written:
                 write_kv(L.idx, qk[:, self.heads:], v, meta)
                 qk, v, residual = qk[tail.rows], v[tail.rows], residual[tail.rows]
                 meta, logits_index, t = tail.meta, tail.logits_index, tail.rows.shape[0]
-            o = attend(L.idx, qk[:, :self.heads], qk[:, self.heads:], v, meta, L.scaling, L.window)
+            o = attend(L.idx, qk[:, :self.heads], qk[:, self.heads:], v, meta, L.scaling, L.window,
+                       write=not written)
             h = _mm(o.reshape(t, self.q_size), L.o_w)
             residual = residual + h
             x = rms_norm(residual, L.ln2, self.eps)

@@ -106,12 +106,12 @@ class ModelRunner:
         meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,
                                          self.device)
         if self.native is not None:
-            rest = None
+            tail_step = None
             # A tail longer than what its sequence feeds would reach into the one before.
             if tail is not None and 2 * sum(tail) <= input_ids.shape[0] and all(map(int.__le__, tail, num_new)):
-                rest = query_tail(self.kv.layers, tables, num_computed, num_new, tail, logits_index,
-                                  self.kv.block_size, self.device)
-            return self.native.forward(input_ids, positions, meta, logits_index, rest).float()
+                tail_step = query_tail(self.kv.layers, tables, num_computed, num_new, tail, logits_index,
+                                       self.kv.block_size, self.device)
+            return self.native.forward(input_ids, positions, meta, logits_index, tail_step).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                          use_cache=False, logits_to_keep=logits_index, specray_meta=meta)
         return out.logits[0].float()

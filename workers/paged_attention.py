@@ -170,10 +170,12 @@ def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetada
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-           scaling: float | None, sliding_window: int | None = None) -> torch.Tensor:
+           scaling: float | None, sliding_window: int | None = None, write: bool = True) -> torch.Tensor:
     """Packed attention for layer ``layer``: q [T, H, D], k/v [T, KVH, D] (RoPE applied)
-    -> [T, H, D]. Writes k/v into the layer's cache at ``meta.slot_mapping`` first."""
-    write_kv(layer, k, v, meta)
+    -> [T, H, D]. Writes k/v into the layer's cache at ``meta.slot_mapping`` first, unless
+    ``write`` is False (the caller has written them)."""
+    if write:
+        write_kv(layer, k, v, meta)
     k_cache, v_cache = meta.kv_caches[layer]
 
     n, qmax = meta.num_seqs, meta.max_query_len
