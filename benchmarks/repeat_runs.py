@@ -61,6 +61,19 @@ def run_ratios(result: dict) -> dict[str, float]:
                 put(f"b{b} {p} / better mode", mode[p], mode[better])
             put(f"b{b} adaptive / static", mode["adaptive"], mode["static"])
             put(f"b{b} adaptive / none", mode["adaptive"], mode["none"])
+    # Per proposer: adaptive over static k, and over each adaptive variant (a variant runs
+    # the policy with one mechanism off: the ratio is that mechanism's gain).
+    variants = sorted({key[4] for key in runs if key[4].startswith("adaptive:")})
+    for proposer in ("ngram", "draft"):
+        for b in batches:
+            adaptive = runs.get(("specray", proposer, b, "greedy", "adaptive"))
+            if not adaptive:
+                continue
+            if proposer == "ngram":
+                put(f"b{b} ngram adaptive / static", adaptive, runs.get(("specray", "ngram", b, "greedy", "static")))
+                put(f"b{b} ngram adaptive / none", adaptive, runs.get(("specray", "none", b, "greedy", "static")))
+            for v in variants:
+                put(f"b{b} {proposer} adaptive / {v}", adaptive, runs.get(("specray", proposer, b, "greedy", v)))
     return out
 
 

@@ -42,7 +42,7 @@ class BenchSettings:
     prompt_bytes: int = 160
     block_size: int = CacheConfig.block_size
     progress: bool = True
-    policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft runs
+    policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft and n-gram runs
     colocate: bool = False                    # specray's workers inside the driver's process
     compiled_graph: bool = False              # driver <-> worker steps over compiled graph channels
     # Each repeat's batch of b takes the next b held-out prompts, so batch 1 meets a new
@@ -60,6 +60,8 @@ class BenchSettings:
     # with it off; not co-located (overlap needs draft actors of their own).
     overlap: bool = True
 
+
+SPECULATING = ("draft", "ngram")      # the proposers whose runs take a speculation policy
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
 PHASES = {"schedule": "schedule_s", "draft": "draft_compute_s", "merge": "merge_s",
@@ -103,7 +105,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return (self.proposer + (f"/{self.policy}" if self.proposer == "draft" else "")
+        return (self.proposer + (f"/{self.policy}" if self.proposer in SPECULATING else "")
                 + (f"/k{self.k}" if self.k is not None else ""))
 
     def finish(self) -> None:
@@ -280,7 +282,7 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     policy, _, variant = policy.partition(":")
     options = dict(s.variants[variant]) if variant else {}
     # A variant may switch the early stops off as an option of its own.
-    stops = s.draft_early_stop and proposer == "draft" and policy == "adaptive" and options.pop("stop_early", True)
+    stops = options.pop("stop_early", True) and s.draft_early_stop and proposer == "draft" and policy == "adaptive"
     return RuntimeConfig(
         target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
@@ -315,11 +317,14 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                             s.prompt_bytes)
     hf = HFRunner(s)
 
-    drafts = ([("draft", pol, None) for pol in s.policies] + [("draft", f"adaptive:{name}", None) for name in s.variants]
-              if s.draft else [])
+    proposers = ("draft", "ngram") if s.draft else ("ngram",)
+    spec_configs = [(p, pol, None) for p in proposers for pol in s.policies]
+    spec_configs += [(p, f"adaptive:{name}", None) for p in proposers for name in s.variants]
+    if "static" not in s.policies:
+        spec_configs.append(("ngram", "static", None))     # the batch-1 prompt-lookup ratios read it
     if s.draft and s.overlap and not s.colocate and not s.compiled_graph:
-        drafts += [("draft", f"{pol}+overlap", None) for pol in s.policies]
-    spec_configs = drafts + [("ngram", "static", None), ("none", "static", None)]
+        spec_configs += [("draft", f"{pol}+overlap", None) for pol in s.policies]
+    spec_configs.append(("none", "static", None))
     sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k] if s.draft else []
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
     lookahead = max(runtime_config(s, *c).lookahead for c in spec_configs + sweep)
@@ -523,11 +528,11 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
     "best other" is ``best_config`` of the others, named in ``best``."""
     out = []
     for run in runs:
-        if run.system != "specray" or run.proposer != "draft" or run.mode != "greedy":
+        if run.system != "specray" or run.proposer not in SPECULATING or run.mode != "greedy":
             continue
         others = {o.label: o.samples for o in runs
                   if o.system == "specray" and o.mode == "greedy" and o.batch_size == run.batch_size
-                  and o.proposer in ("draft", "none") and o is not run}
+                  and o.proposer in (run.proposer, "none") and o is not run}
         if not others:
             continue
         # Adaptive variants are compared one by one, not as what a policy must beat.
@@ -535,7 +540,8 @@ def paired_ratios(runs: list[Run]) -> list[dict]:
         others["best other"] = others[best]
         for name, base in others.items():
             if (ratio := within_repeats(run.samples, base)) is not None:
-                out.append({"batch_size": run.batch_size, "policy": run.policy, "k": run.k, "against": name,
+                out.append({"batch_size": run.batch_size, "proposer": run.proposer, "policy": run.policy, "k": run.k,
+                            "against": name,
                             **({"best": best} if name == "best other" else {}), **ratio})
     return out
 
@@ -621,11 +627,13 @@ def format_table(result: dict) -> str:
         lines.append("")
         lines.append("draft runs over others, tokens/s ratio within each repeat (median, min-max, "
                      "geometric mean and its 95 % interval)")
-        head = f"{'policy':{w}} {'batch':>5} {'against':>{a}} {'ratio':>6} {'spread':>11} {'geomean':>8} {'95 %':>11}"
+        head = (f"{'proposer':9} {'policy':{w}} {'batch':>5} {'against':>{a}} {'ratio':>6} {'spread':>11} "
+                f"{'geomean':>8} {'95 %':>11}")
         lines += [head, "-" * len(head)]
         for p in result["paired"]:
             ci = f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}" if p["ci95"] else "-"
-            lines.append(f"{_policy(p):{w}} {p['batch_size']:>5} {against(p):>{a}} {p['median']:>6.3f} "
+            lines.append(f"{p.get('proposer', 'draft'):9} {_policy(p):{w}} {p['batch_size']:>5} {against(p):>{a}} "
+                         f"{p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
     if result.get("batch1_ratios"):
         lines.append("")

@@ -6,6 +6,9 @@
   voice, spelling, names): the answer repeats much of the prompt, where prompt lookup
   (``proposer="ngram"``) pays. For a model with a chat template the request is the user's
   turn of a chat; otherwise plain text.
+- ``mixed``: the two alternating, so every batch of two or more holds requests where
+  speculation pays (quotes) beside ones where it pays less (code): the workload a
+  per-sequence speculation policy exists for.
 
 Text is encoded as specray encodes a string prompt (``model_loader.encode_prompt``), so
 the bench measures what a user's strings get.
@@ -13,7 +16,7 @@ the bench measures what a user's strings get.
 
 from __future__ import annotations
 
-PROMPT_SETS = ("code", "quote")
+PROMPT_SETS = ("code", "quote", "mixed")
 
 INSTRUCTIONS = (
     "Rewrite the following paragraph in the passive voice, keeping every detail:",
@@ -66,6 +69,10 @@ def bench_prompts(prompt_set: str, count: int, tokenizer, prompt_bytes: int = 16
         from specray.stdlib_corpus import held_out_prompts
 
         return [encode_prompt(tokenizer, t) for t in held_out_prompts(count, prompt_bytes)]
+    if prompt_set == "mixed":
+        quotes = bench_prompts("quote", (count + 1) // 2, tokenizer, prompt_bytes)
+        code = bench_prompts("code", count // 2, tokenizer, prompt_bytes)
+        return [(quotes if i % 2 == 0 else code)[i // 2] for i in range(count)]
     if prompt_set != "quote":
         raise ValueError(f"prompts must be one of {', '.join(PROMPT_SETS)}, got {prompt_set!r}")
     texts = quote_texts(count)

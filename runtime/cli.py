@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
                    help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
                         "nostops='{\"stop_early\": false}' (with --policy adaptive or both)")
-    b.add_argument("--prompts", default="code", choices=["code", "quote"],
+    b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed"],
                    help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
-                        "paragraph the prompt quotes (where n-gram lookup pays)")
+                        "paragraph the prompt quotes (where n-gram lookup pays); mixed: the two alternating")
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")
