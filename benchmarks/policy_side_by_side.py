@@ -4,15 +4,13 @@ project has on a shared machine.
     python benchmarks/policy_side_by_side.py [--target DIR --draft DIR | --random-draft]
                                              [--batch-sizes 1,8,32] [--tokens 64] [--repeats 5]
                                              [--rotate-prompts] [--static-k 6,8]
-                                             [--max-speculative-tokens N]
 
 One in-process driver (workers co-located, no Ray) serves every run; before each run its
 scheduler gets one of several policy objects, each keeping what it has learned across
 its own runs: static k, adaptive, and plain decoding (static with speculation disabled
-at batch 1, so the draft is never called). ``--static-k`` adds fixed k's (up to the
-adaptive cap of a request alone, ``--max-speculative-tokens``, twice k by default), so
-adaptive can be held to the best fixed k rather than to one. Runs go policy by policy within each repeat
-and batch size, in an order rotated per repeat, so machine noise hits them alike.
+at batch 1, so the draft is never called). ``--static-k`` adds fixed k's, so adaptive can
+be held to the best fixed k rather than to one. Runs go policy by policy within each
+repeat and batch size, in an order rotated per repeat, so machine noise hits them alike.
 Reports median tokens/s and the min-max spread per (batch, policy), and each one's
 ratio to the best other: of medians, and within each repeat (median, min-max). Then, per
 (batch, policy), where a step's time went (ms per step over all its runs): scheduling
@@ -32,13 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -55,34 +51,40 @@ def main() -> None:
     ap.add_argument("--rotate-prompts", action="store_true",
                     help="each repeat serves the next held-out prompts (batch 1: another text every repeat)")
     ap.add_argument("--static-k", default="", help="more fixed k's to run, e.g. 6,8")
-    ap.add_argument("--max-speculative-tokens", type=int, default=None,
-                    help="adaptive: the cap of a request alone (default: twice -k)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
     import torch
 
-    from specray.bench import batch_prompts, random_copy, rotated, within_repeats
-    from specray.config import RuntimeConfig
-    from specray.driver import DriverCore
-    from specray.stdlib_corpus import held_out_prompts
+    from specray.runtime.bench.hf_runner import random_copy
+    from specray.runtime.bench.run import batch_prompts, rotated
+    from specray.runtime.bench.stats import within_repeats
+    from specray.runtime.config import RuntimeConfig
+    from specray.runtime.driver import DriverCore
+    from specray.runtime.stdlib_corpus import held_out_prompts
+    from specray.scheduler.adaptive import AdaptivePolicy
+    from specray.scheduler.config import SpeculationConfig
     from specray.scheduler.sampling_params import SamplingParams
     from specray.scheduler.speculation_policy import StaticPolicy
 
     torch.set_num_threads(1)      # as in Ray actors and specray bench
     draft = random_copy(args.draft, tempfile.mkdtemp(prefix="random-draft-")) if args.random_draft else args.draft
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    config = RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=args.k, device="cpu",
-                           dtype="float32", speculation_policy="adaptive", max_num_seqs=max(batch_sizes),
-                           max_speculative_tokens=args.max_speculative_tokens)
     static_ks = sorted({int(x) for x in args.static_k.split(",") if x.strip()} - {args.k})
-    if static_ks and not 1 <= min(static_ks) <= max(static_ks) <= config.lookahead:
-        ap.error(f"--static-k must lie in [1, {config.lookahead}], the runtime's widest step")
+    if static_ks and min(static_ks) < 1:
+        ap.error("--static-k: every k must be >= 1")
+    # The runtime reserves for the widest policy; each policy keeps to its own k.
+    config = RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=max([args.k, *static_ks]),
+                           device="cpu", dtype="float32", max_num_seqs=max(batch_sizes))
     drv = DriverCore(config, backend="local")
-    # A fixed k below the runtime's widest step keeps to its own k (the policy caps it).
-    policies = {"static": StaticPolicy(args.k), "adaptive": drv.scheduler.policy,
-                "none": StaticPolicy(args.k, disable_by_batch_size=1),
-                **{f"static{k}": StaticPolicy(k) for k in static_ks}}
+
+    def spec(k: int, **kw) -> SpeculationConfig:
+        return SpeculationConfig(num_speculative_tokens=k, **kw)
+
+    policies = {"static": StaticPolicy(spec(args.k)),
+                "adaptive": AdaptivePolicy.of(spec(args.k, speculation_policy="adaptive")),
+                "none": StaticPolicy(spec(args.k, disable_by_batch_size=1)),
+                **{f"static{k}": StaticPolicy(spec(k)) for k in static_ks}}
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     tokens_per_s: dict[tuple[int, str], list[float]] = {}
     phase_s: dict[tuple[int, str], Counter] = {}

@@ -8,12 +8,12 @@ from specray.scheduler.speculation_policy import SpeculationPolicy, StaticPolicy
 
 def build_policy(spec: SpeculationConfig) -> SpeculationPolicy:
     if spec.speculation_policy == "static":
-        return StaticPolicy(spec.k, spec.disable_by_batch_size)
+        return StaticPolicy(spec)
     if spec.speculation_policy == "adaptive":
         try:
-            from specray.scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
+            from specray.scheduler.adaptive import AdaptivePolicy
         except ImportError as e:
             raise ValueError("speculation_policy='adaptive' needs the specray.scheduler.adaptive package, "
                              f"which is not installed ({e})") from None
-        return AdaptivePolicy(AdaptiveConfig.of(spec, **spec.policy_options))
+        return AdaptivePolicy.of(spec)
     raise ValueError(f"unknown speculation_policy {spec.speculation_policy!r}")

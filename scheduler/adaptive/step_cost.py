@@ -10,8 +10,9 @@ The longest proposal sets much of a step's price: the draft runs ``max k_i`` pas
 attention pads every sequence's query rows to the longest (``t_pad``). Verifying any
 proposals at all costs the target a step of its own (``t_spec``: the rejection sampler,
 the draft rows, logits for every proposal row); without that term a line through plain
-and speculating steps misprices every level (docs/adaptive-policy.md). Each term is fitted per batch-size bucket (``BucketedFit``): a token's
-marginal cost is not one number across batch sizes.
+and speculating steps misprices every level (docs/adaptive-policy.md). Each term is fitted
+per batch-size bucket (``BucketedFit``): a token's marginal cost is not one number across
+batch sizes.
 """
 
 from __future__ import annotations
@@ -200,8 +201,7 @@ class BucketedFit:
         self.prior = list(prior)
         self.window = window
         self.fits: dict[int, LinearFit] = {}
-        self.given = False
-        self.version = 0                 # moves whenever a prediction or fitted() may change
+        self.version = 0                 # moves whenever a prediction may change
 
     def _ready(self, b: int) -> LinearFit | None:
         fit = self.fits.get(b)
@@ -222,15 +222,6 @@ class BucketedFit:
         if fit.add(x, y):
             self.version += 1
 
-    def fitted(self, num_seqs: int, any_bucket: bool = False) -> bool:
-        """Whether predictions at this batch size are measured (with ``any_bucket``, at
-        some batch size) or given (``set_weights``), not the prior's guess."""
-        if self.given:
-            return True
-        if any_bucket:
-            return any(self._ready(b) is not None for b in self.fits)
-        return self._ready(batch_bucket(num_seqs)) is not None
-
     def weights(self, num_seqs: int) -> list[float]:
         b = batch_bucket(num_seqs)
         fit = self._ready(b) or self._nearest(b) or self.fits.get(b)
@@ -245,7 +236,6 @@ class BucketedFit:
             raise ValueError(f"expected {self.n} weights, got {len(weights)}")
         self.prior = list(weights)
         self.fits.clear()
-        self.given = True
         self.version += 1
 
 
@@ -262,10 +252,9 @@ class StepCostModel:
     target: BucketedFit = field(default_factory=lambda: BucketedFit(6, prior=[1e-3, 1e-5, 1e-4, 1e-4, 1e-5, 2e-4]))
     draft: BucketedFit = field(default_factory=lambda: BucketedFit(4, prior=[5e-4, 1e-4, 1e-5, 1e-5]))
     overhead: BucketedFit = field(default_factory=lambda: BucketedFit(2, prior=[2e-4, 2e-5]))
-    # The last price and fitted() answer, each with what it was computed from: a policy
-    # asks about the same batch every step, and the weights change every few steps.
+    # The last price, with what it was computed from: a policy asks about the same batch
+    # every step, and the weights change every few steps.
     _price: tuple | None = field(default=None, repr=False, compare=False)
-    _fitted: tuple | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def target_features(num_seqs: int, fed: int, proposed: int, max_k: int) -> list[float]:
@@ -285,19 +274,6 @@ class StepCostModel:
         """A step's time outside the worker calls."""
         if seconds > 0:
             self.overhead.add(num_seqs, [1.0, float(num_seqs)], seconds)
-
-    def fitted(self, num_seqs: int, speculating: bool) -> bool:
-        """Whether a step of this batch is priced from measurements: the target's and the
-        driver's at this batch size's own bucket (a neighbour's can be off several times
-        over), the draft's (for a speculating step) at any. The draft's price depends
-        mostly on its passes, and a bad draft speculates at a batch size only in the
-        switch's trials: its own bucket would take dozens of them to fill, and until
-        then no trial would count."""
-        key = (num_seqs, speculating, *self._versions())
-        if self._fitted is None or self._fitted[0] != key:
-            self._fitted = (key, self.target.fitted(num_seqs) and self.overhead.fitted(num_seqs)
-                            and (not speculating or self.draft.fitted(num_seqs, any_bucket=True)))
-        return self._fitted[1]
 
     def price(self, num_seqs: int, fed_tokens: int) -> StepPrice:
         """The model at one batch, as a function of the proposal alone: what a policy
@@ -319,10 +295,6 @@ class StepCostModel:
     def _versions(self) -> tuple[int, int, int]:
         return self.target.version, self.draft.version, self.overhead.version
 
-    def draft_fed_price(self, num_seqs: int) -> float:
-        """Seconds per token the draft is fed, at this batch size."""
-        return self.draft.weights(num_seqs)[2]
-
     def step_time(self, num_seqs: int, fed_tokens: int, sum_k: int, max_k: int) -> float:
         return self.price(num_seqs, fed_tokens).time(sum_k, max_k)
 
@@ -330,8 +302,9 @@ class StepCostModel:
 @dataclass(frozen=True)
 class StepPrice:
     """Predicted seconds of a step of one batch: ``plain`` without speculation; with it,
-    plus ``speculating`` (the draft call, and the target's verifying at all), ``per_pass`` for each of the ``max k_i`` draft
-    passes (and the padding they cost verification) and ``per_token`` per proposal."""
+    plus ``speculating`` (the draft call, and the target's verifying at all), ``per_pass``
+    for each of the step's width in draft passes (and the padding they cost verification)
+    and ``per_token`` per proposal."""
 
     plain: float
     speculating: float

@@ -1,16 +1,15 @@
-"""Adaptive speculation on real models: k_i climbs to k when the draft is always
-right, falls to 0 when it is never right, and greedy output never changes.
+"""Adaptive speculation on real models: proposal lengths climb to k when the draft is
+always right, fall to 0 when it is never right, and greedy output never changes.
 (The metrics on Ray's metrics API are checked in test_client.py, on its runtime.)"""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specray_testing import hf_greedy
-from specray.config import RuntimeConfig
-from specray.driver import DriverCore
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.adaptive.step_cost import StepCostModel
 
@@ -32,9 +31,6 @@ def run_spying(cfg, prompts, max_tokens, cost=None):
     drv = DriverCore(cfg, backend="local")
     if cost is not None:
         drv.scheduler.policy.cost = cost
-        # The measured corrections of the on/off switch would bring this machine's timings
-        # back in: the frozen model alone decides.
-        drv.scheduler.policy.switch.speculate = lambda num_seqs, on, off: on >= off
     ks_per_step: list[list[int]] = []
     orig = drv.scheduler.update
 
@@ -66,18 +62,6 @@ def test_identical_draft_climbs_to_k(llama_pair):
     assert all(k == K for step in ks[3:6] for k in step)
 
 
-def test_a_request_alone_reaches_past_k_and_stays_exact(llama_pair):
-    """Alone in the batch, with its draft stopping early, a request proposes up to
-    max_speculative_tokens (twice k by default): an identical draft gets there."""
-    t, _ = llama_pair
-    cfg = RuntimeConfig(target=t, draft=t, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
-                        speculation_policy="adaptive")
-    outs, ks, m = run_spying(cfg, prompts()[:1], 60, cheap_draft_cost())
-    assert [o.token_ids for o in outs] == hf_greedy(t, prompts()[:1], 60)
-    assert max(k for step in ks for k in step) == 2 * K
-    assert len(m["acceptance_by_position"]) == 2 * K and m["acceptance_rate"] == 1.0
-
-
 def test_unrelated_draft_falls_to_zero(llama_pair, tmp_path):
     t, _ = llama_pair
     torch.manual_seed(123)
@@ -90,13 +74,12 @@ def test_unrelated_draft_falls_to_zero(llama_pair, tmp_path):
     outs, ks, m = run_spying(rcfg, prompts(), 48, cheap_draft_cost())
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 48)
     assert m["acceptance_rate"] < 0.1
-    # Within 6 steps every sequence stops speculating; afterwards at most the switch's
-    # rare trials propose.
+    # Within 6 steps every sequence stops speculating, and nobody starts again: with the
+    # draft rejected every time, the rate across sequences that newcomers start from
+    # falls too.
     late = ks[6:]
-    assert max(k for step in late for k in step) <= 1
-    trials = [step for step in late if any(step)]
-    assert len(trials) <= len(late) / 8
-    assert m["num_spec_off_steps"] > 0
+    assert late and not any(k for step in late for k in step)
+    assert m["num_spec_off_steps"] >= len(late)
 
 
 def test_learned_cost_model_keeps_output_exact(llama_pair):
@@ -106,28 +89,3 @@ def test_learned_cost_model_keeps_output_exact(llama_pair):
     outs, ks, m = run_spying(cfg, prompts(), 30)
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 30)
     assert len(m["acceptance_by_position"]) >= 1 and m["mean_verify_s"] > 0
-
-
-@pytest.mark.parametrize("early_stop", [True, False])
-def test_requests_alone_stop_their_drafts_early_and_stay_exact(llama_pair, early_stop):
-    """``draft_early_stop`` (the default): a request alone in the batch gets a floor from
-    the adaptive policy's cost model, the real draft worker stops there and reports its
-    probabilities; outputs stay transformers' greedy ones. Off, nothing is reported."""
-    t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu",
-                                   dtype="float32", speculation_policy="adaptive", draft_early_stop=early_stop),
-                     backend="local")
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    try:
-        outs = [drv.wait(drv.submit([p], [params]).request_ids, timeout=300)[0] for p in prompts]
-        policy = drv.scheduler.policy
-        info, m = drv.info(), drv.metrics()
-    finally:
-        drv.shutdown()
-    assert [o.token_ids for o in outs] == hf_greedy(t, prompts, 40)
-    assert policy.config.stop_early is early_stop
-    assert (policy.confidence.observations > 0) is early_stop
-    # Alone with stops, a request may propose past num_speculative_tokens (twice it by
-    # default; test_adaptive.py checks that it does).
-    assert info["max_speculative_tokens"] == m["max_speculative_tokens"] == (8 if early_stop else 4)

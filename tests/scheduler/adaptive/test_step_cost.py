@@ -189,22 +189,3 @@ def test_a_price_is_kept_until_the_weights_or_the_batch_change():
     # A new bucket's fit, once solved, prices its batch from its own samples.
     assert c.price(4, 4).plain == pytest.approx(0.01 + c.overhead.weights(4)[0] + 4 * c.overhead.weights(4)[1],
                                                 rel=1e-3)
-
-
-def test_a_batch_size_counts_as_measured_once_its_own_bucket_is_and_the_draft_anywhere():
-    c = StepCostModel()
-    assert not c.fitted(32, speculating=False)
-    for _ in range(2 * len(StepCostModel.target_features(1, 1, 1, 1))):
-        c.observe_target(32, 32, 0, 0, 0.020)
-        c.observe_overhead(32, 0.004)
-    assert c.fitted(32, speculating=False) and c.fitted(40, speculating=False)
-    assert not c.fitted(8, speculating=False)           # priced from batch 32's fit: a guess
-    assert not c.fitted(32, speculating=True)           # the draft never measured
-    for _ in range(2 * len(StepCostModel.draft_features(1, 1, 1))):
-        c.observe_draft(2, 4, 2, 8, 0.005)
-    assert c.fitted(32, speculating=True)               # the draft's price from batch 2 will do
-    given = StepCostModel()
-    given.target.set_weights([1e-3] * 6)
-    given.draft.set_weights([1e-3] * 4)
-    given.overhead.set_weights([1e-3] * 2)
-    assert given.fitted(7, speculating=True)
