@@ -31,9 +31,9 @@ import json, sys, time
 import torch
 torch.set_num_threads(1)
 from specray import RuntimeConfig, SamplingParams
-from specray.cli_args import builtin_model
-from specray.driver import DriverCore
-from specray.stdlib_corpus import held_out_prompts
+from specray.runtime.cli_args import builtin_model
+from specray.runtime.driver import DriverCore
+from specray.runtime.stdlib_corpus import held_out_prompts
 
 proposer, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kw = dict(target=builtin_model("tiny-target"), proposer=proposer)
@@ -126,7 +126,7 @@ def main() -> int:
             for w in worktrees:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(w)], check=False,
                                capture_output=True)
-    from specray.bench import within_repeats
+    from specray.runtime.bench.stats import within_repeats
 
     tps = [[args.batch * args.tokens / x for x in s] for s in seconds]
     ratio = within_repeats(tps[1], tps[0])

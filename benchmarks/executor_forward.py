@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
     import torch
 
-    from specray.cli_args import builtin_model
+    from specray.runtime.cli_args import builtin_model
     from specray.scheduler.messages import StepPlan
+    from specray.scheduler.config import CacheConfig
+    from specray.workers.config import ModelConfig
     from specray.workers.model_runner import ModelRunner
-    from specray.workers.worker_config import WorkerConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=builtin_model("tiny-target"))
@@ -51,7 +49,7 @@ def main() -> None:
 
     def plan(sids, comp, new, toks):
         n = len(sids)
-        return StepPlan(step_id=0, k=0, seq_ids=sids, num_computed=comp, num_new=new, token_ids=toks,
+        return StepPlan(step_id=0, width=0, seq_ids=sids, num_computed=comp, num_new=new, token_ids=toks,
                         num_slots=[c + q for c, q in zip(comp, new)], proposal_lens=[0] * n,
                         proposal_token_ids=[], draft_rows=[], temperature=[0.0] * n, top_k=[0] * n,
                         top_p=[1.0] * n, seeds=[0] * n, free_seq_ids=[])
@@ -61,9 +59,10 @@ def main() -> None:
     print(f"{'batch':>5} {'step':>7} {'native ms':>10} {'hf ms':>8} {'ratio':>6} {'max|dlogit|':>11}{extra}")
     kinds = ("native", "transformers") + (("compiled",) if args.compiled else ()) + (("graphs",) if args.graphs else ())
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        runners = {ex: ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                                max_num_seqs=b, executor=ex if ex in ("native", "transformers")
-                                                else "native", cuda_graphs=ex == "graphs"))
+        runners = {ex: ModelRunner(args.model, ModelConfig(target=args.model, dtype=args.dtype, device=args.device,
+                                                           executor=ex if ex in ("native", "transformers") else "native",
+                                                           cuda_graphs=ex == "graphs"),
+                                   CacheConfig(max_num_seqs=b))
                    for ex in kinds}
         if args.graphs and runners["graphs"].graphs is None:
             from specray.workers.step_graphs import StepGraphs

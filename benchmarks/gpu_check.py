@@ -21,16 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
     import ray
 
     from specray import RuntimeConfig, SamplingParams, SpecRuntime
-    from specray.bench import BenchSettings, HFRunner, format_table, run_bench
-    from specray.cli_args import builtin_model
-    from specray.stdlib_corpus import held_out_prompts
+    from specray.runtime.bench.hf_runner import HFRunner
+    from specray.runtime.bench.report import format_table
+    from specray.runtime.bench.run import run_bench
+    from specray.runtime.bench.settings import BenchSettings
+    from specray.runtime.cli_args import builtin_model
+    from specray.runtime.stdlib_corpus import held_out_prompts
     from specray.workers.model_loader import load_tokenizer
 
     ap = argparse.ArgumentParser()

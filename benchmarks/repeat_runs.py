@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specray.bench import best_config, within_repeats
+from specray.runtime.bench.stats import best_config, within_repeats
 
 
 def run_ratios(result: dict) -> dict[str, float]:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = []
         for i in range(1, args.runs + 1):
             out = Path(args.out) / f"run{i}"
-            cmd = [sys.executable, "-m", "specray.cli", "bench", *bench_args, "--out", str(out)]
+            cmd = [sys.executable, "-m", "specray.runtime.cli", "bench", *bench_args, "--out", str(out)]
             print(f"run {i}/{args.runs}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode:

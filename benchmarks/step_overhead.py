@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> dict:
@@ -47,8 +44,8 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from specray.cli_args import builtin_model
-    from specray.stdlib_corpus import held_out_prompts
+    from specray.runtime.cli_args import builtin_model
+    from specray.runtime.stdlib_corpus import held_out_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=builtin_model("tiny-target"))

@@ -34,12 +34,15 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from specray.batch_files import Location, Output, check_output_place, locate, read_bytes, where
-from specray.chat import ChatPrompt, check_messages
-from specray.cli_args import add_model_args, runtime_config, sampling_default
+from specray.runtime.batch_files import Location, Output, check_output_place, locate, read_bytes, where
+from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.cli_args import add_model_args, runtime_config, sampling_default
 from specray.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specray.runtime.driver import DriverInfo
 
 PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 LINE_FIELDS = ("prompt", "messages", "id") + PARAM_FIELDS
@@ -113,25 +116,25 @@ def read_input(path: str | Location, defaults: dict) -> tuple[list[Item], list[t
     return items, errors
 
 
-def check_against(info: dict, item: Item) -> str | None:
+def check_against(info: DriverInfo, item: Item) -> str | None:
     """The driver's own checks, from ``SpecRuntime.info``, so ``--on-error fail`` can report
     them before anything is generated. A string prompt's length is only known once the
     driver has tokenized it."""
     if isinstance(item.prompt, ChatPrompt):
-        if not info.get("has_chat_template"):
+        if not info.has_chat_template:
             return "messages need a chat template, and the target's tokenizer has none"
     elif isinstance(item.prompt, str):
-        if not info["has_tokenizer"]:
+        if not info.has_tokenizer:
             return "prompt is a string but the target has no tokenizer; pass token ids"
     else:
-        vocab = info["vocab_size"]
+        vocab = info.vocab_size
         bad = next((t for t in item.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-        if len(item.prompt) >= info["max_model_len"]:
-            return (f"prompt has {len(item.prompt)} tokens; max_model_len {info['max_model_len']} "
+        if len(item.prompt) >= info.max_model_len:
+            return (f"prompt has {len(item.prompt)} tokens; max_model_len {info.max_model_len} "
                     "leaves no room to generate")
-    bad = next((t for t in item.params.stop_token_ids if t >= info["vocab_size"]), None)
+    bad = next((t for t in item.params.stop_token_ids if t >= info.vocab_size), None)
     if bad is not None:
         return f"stop_token_ids entry {bad} is outside the vocabulary"
     return None
@@ -141,7 +144,7 @@ def check_against(info: dict, item: Item) -> str | None:
 def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
     """Generate for ``items``. The runtime admits a call whole or not at all and names its
     first bad request: drop that line, report it, and resubmit the rest."""
-    from specray.driver import REQUEST_ERROR, Overloaded
+    from specray.runtime.driver import REQUEST_ERROR, Overloaded
 
     pending = list(items)
     backoff = 0.05
@@ -287,9 +290,8 @@ def run(args) -> int:
         rt = SpecRuntime(config) if items else None
         t1 = time.perf_counter()
         if fail:
-            info = rt.info if rt is not None else {}
-            for item in items:
-                if why := check_against(info, item):
+            for item in items:      # rt exists: items is not empty
+                if why := check_against(rt.info, item):
                     reject(item.line, why)
             if rejected:
                 print(f"specray batch: {len(rejected)} malformed line(s); nothing generated (--on-error fail)",
@@ -329,7 +331,7 @@ def _json_type(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specray.batch ...``: the same as ``specray batch ...``."""
+    """``python -m specray.runtime.batch ...``: the same as ``specray batch ...``."""
     parser = argparse.ArgumentParser(prog="specray batch", description="Generate for every line of a JSONL file")
     add_arguments(parser)
     args = parser.parse_args(argv)

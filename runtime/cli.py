@@ -8,8 +8,8 @@ import sys
 import tempfile
 import time
 
-from specray import batch, models_cli, serve
-from specray.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
+from specray.runtime import batch, models_cli, serve
+from specray.runtime.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
 
 def cmd_generate(args) -> int:
     from specray import SamplingParams, SpecRuntime
@@ -32,16 +32,17 @@ def cmd_generate(args) -> int:
     print()
     print(f"\n[specray] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tokens/s, includes the first step's "
           f"prefill); finish_reason={pieces[-1].finish_reason if pieces else None}")
-    alone = m["max_speculative_tokens"]
-    reach = f" (alone up to {alone})" if alone > m["num_speculative_tokens"] else ""
-    print(f"[specray] proposer={m['proposer']} k={m['num_speculative_tokens']}{reach} "
+    print(f"[specray] proposer={m['proposer']} num_speculative_tokens={m['num_speculative_tokens']} "
           f"acceptance_rate={m['acceptance_rate']:.3f} mean_accepted_length={m['mean_accepted_length']:.2f} "
           f"system_efficiency={m['system_efficiency']:.3f} decode tokens/s={m['tokens_per_s']:.1f}")
     return 0
 
 
 def cmd_bench(args) -> int:
-    from specray.bench import BenchSettings, format_table, random_copy, run_bench, write_outputs
+    from specray.runtime.bench.hf_runner import random_copy
+    from specray.runtime.bench.report import format_table, write_outputs
+    from specray.runtime.bench.run import run_bench
+    from specray.runtime.bench.settings import BenchSettings
 
     target = args.target or builtin_model("tiny-target")
     # A target given alone is benched without a draft: n-gram and plain decoding only.
@@ -55,7 +56,6 @@ def cmd_bench(args) -> int:
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
-                      draft_early_stop=args.draft_early_stop, max_speculative_tokens=args.max_speculative_tokens,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
                       prompt_set=args.prompts, executor=args.executor, overlap=args.overlap)
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
     add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "colocate",
-                            "compiled_graph", "draft_early_stop", "max_speculative_tokens", "executor"))
+                            "compiled_graph", "executor"))
     b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more fixed k's for the draft at batch 1, e.g. 6,8: adaptive is held to the best of them")
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
                    help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
-                        "nostops='{\"stop_early\": false}' (with --policy adaptive or both)")
+                        "lean='{\"shrinkage\": 4}' (with --policy adaptive or both)")
     b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed"],
                    help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
                         "paragraph the prompt quotes (where n-gram lookup pays); mixed: the two alternating")

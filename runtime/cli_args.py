@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import json
 
-from specray.config import FIELD_SECTION, SECTIONS, RuntimeConfig
+from specray.runtime.config import FIELD_SECTION, SECTIONS, RuntimeConfig
 
 # Flags of fields that are not plain values of a section: the models default to the
 # built-in pair, and the top-level fields.
@@ -28,8 +28,8 @@ def sampling_default(name: str):
 def builtin_model(name: str) -> str | None:
     """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), or None
     where it is not installed (the commands then ask for ``--target``)."""
-    from specray.model_store import ModelNotFound
-    from specray.model_store import builtin_model as find
+    from specray.runtime.model_store import ModelNotFound
+    from specray.runtime.model_store import builtin_model as find
 
     try:
         return find(name)

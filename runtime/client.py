@@ -11,32 +11,12 @@ from typing import Iterator, Sequence as Seq
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from specray.chat import ChatPrompt, check_messages
-from specray.config import ClusterConfig, RuntimeConfig
-from specray.driver import REQUEST_ERROR, DriverCore, Overloaded, SubmitReply, request_error
-from specray import ray_env
-from specray.request_output import RequestOutput
+from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.config import ClusterConfig, RuntimeConfig
+from specray.runtime.driver import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
+from specray.runtime import ray_env
+from specray.runtime.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
-
-class Driver(DriverCore):
-    """The driver actor. Threaded, so stream polls and submits are answered while the
-    step loop waits on workers."""
-
-    def __init__(self, config: RuntimeConfig, backend: str, export_metrics: bool) -> None:
-        # Ray hands the client only the text of an error raised while an actor is created,
-        # so a refused configuration is kept and reported by info(), for the client to
-        # raise as the ValueError it is.
-        self.refused: str | None = None
-        try:
-            super().__init__(config, backend, export_metrics)
-        except ValueError as e:
-            self.refused = str(e)
-
-    def info(self) -> dict:
-        return {"refused": self.refused} if self.refused is not None else super().info()
-
-
-RemoteDriver = ray.remote(max_concurrency=256)(Driver)
 
 _POLL_S = 1.0
 
@@ -45,7 +25,8 @@ class SpecRuntime:
     def __init__(self, config: RuntimeConfig) -> None:
         if not isinstance(config, RuntimeConfig):
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
-        self._owns_ray = ray_env.acquire(config.ray_address, config.namespace, config.ray_connect_timeout_s)
+        cluster = config.cluster
+        self._owns_ray = ray_env.acquire(cluster.ray_address, cluster.namespace, cluster.ray_connect_timeout_s)
         # The driver lives on this process's node: on an autoscaling cluster that is the
         # node that stays (head or job node), not a worker node that may be taken away with
         # every request's state. It needs no resources, so any node can host it; not soft,
@@ -53,30 +34,32 @@ class SpecRuntime:
         here = ray.get_runtime_context().get_node_id()
         opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
         backend = "ray"
-        if config.colocate:
+        if cluster.colocate:
             # One process hosts driver, draft and target: it asks for the target's resources.
-            from specray.worker_actors import actor_options
+            from specray.runtime.actor_handle import actor_options
 
-            gpu = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-            opts = actor_options(config.target_resources, gpu)   # wherever those are
+            device = config.model.device
+            gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+            opts = actor_options(cluster.target_resources, gpu)   # wherever those are
             backend = "local"
-        if config.name:
-            opts.update(name=config.name, namespace=config.namespace)
-        if config.detached:
+        if cluster.name:
+            opts.update(name=cluster.name, namespace=cluster.namespace)
+        if cluster.detached:
             opts["lifetime"] = "detached"
         self._driver = RemoteDriver.options(**opts).remote(config, backend, True)
         self._attached = False
         self._closed = False
         try:
-            self._info = ray.get(self._driver.info.remote())
+            info = ray.get(self._driver.info.remote())
         except Exception as e:
             # The driver failed to start (unplaceable workers, a worker that died loading, ...).
             self._abandon_start()
             raise RuntimeError(f"specray driver failed to start: {e}") from None
-        if "refused" in self._info:
+        if isinstance(info, str):
             # Bad input: a model path, a draft with another vocabulary, a window too small.
             self._abandon_start()
-            raise ValueError(self._info["refused"])
+            raise ValueError(info)
+        self._info: DriverInfo = info
 
     def _abandon_start(self) -> None:
         """Release what a failed start took (its workers go with the driver actor)."""
@@ -122,8 +105,9 @@ class SpecRuntime:
         return self
 
     @property
-    def info(self) -> dict:
-        return dict(self._info)
+    def info(self) -> DriverInfo:
+        """The driver's configuration and what it read from the models."""
+        return self._info
 
     # -- requests ------------------------------------------------------------------
     def _params_list(self, n: int, params) -> list[SamplingParams]:
@@ -149,7 +133,7 @@ class SpecRuntime:
     def generate(self, prompts: Seq, params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (strings, token-id lists, or
-        ``specray.chat.ChatPrompt`` conversations), for any number of them. ``use_tqdm``: a
+        ``specray.runtime.chat.ChatPrompt`` conversations), for any number of them. ``use_tqdm``: a
         progress bar on stderr."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists)")
@@ -187,7 +171,7 @@ class SpecRuntime:
             return []
         bar = tqdm(total=n, unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            room = self._info.get("max_pending", n)
+            room = self._info.config.max_pending
             if n <= room:
                 try:
                     ids = self._submit(prompts, plist)

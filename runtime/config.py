@@ -9,19 +9,22 @@ is handed whole to the layer that reads it:
 - ``cluster`` (``ClusterConfig``): workers, placement, Ray;
 
 plus ``seed`` and ``max_pending``. Users name fields flat, as documented:
-``RuntimeConfig(target=..., draft=..., num_speculative_tokens=4, block_size=16)``; each
-keyword goes to the section that declares it, and ``config.block_size`` reads it back.
-Field names are unique across sections, so a flat name is never ambiguous.
+``RuntimeConfig(target=..., draft=..., num_speculative_tokens=4, block_size=16)``: the
+constructor takes every section's fields as keywords and hands each to the section that
+declares it; the code reads them back through their section
+(``config.cache.block_size``). Field names are unique across sections, so a flat name is
+never ambiguous.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from specray.scheduler.config import (CacheConfig, SpeculationConfig, check_bool, check_choice, check_int,
                                       check_number)
-from specray.workers.worker_config import ModelConfig
+from specray.workers.config import ModelConfig
 
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 
@@ -83,7 +86,9 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "specul
                              "cluster": ClusterConfig}
 # flat field name -> the section declaring it
 FIELD_SECTION: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-_TOP = ("seed", "max_pending")
+
+# A flat keyword left out: its section's default (or the given section's value) stands.
+_UNSET: Any = dataclasses.MISSING
 
 
 @dataclass(init=False, frozen=True)
@@ -95,25 +100,40 @@ class RuntimeConfig:
     seed: int = 0              # the runtime's generator: requests without their own seed draw from it
     max_pending: int = 4096    # accepted, unfinished requests; an online submit past it is refused
 
-    def __init__(self, target: str | None = None, draft: str | None = None, *, model: ModelConfig | None = None,
-                 cache: CacheConfig | None = None, speculation: SpeculationConfig | None = None,
-                 cluster: ClusterConfig | None = None, seed: int = 0, max_pending: int = 4096, **fields) -> None:
-        unknown = sorted(set(fields) - set(FIELD_SECTION))
-        if unknown:
-            raise ValueError(f"RuntimeConfig has no field {unknown[0]!r}")
+    def __init__(
+        self, target: str = _UNSET, draft: str | None = _UNSET, *,
+        # ModelConfig
+        device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET, executor: str = _UNSET,
+        cuda_graphs: bool = _UNSET,
+        # CacheConfig
+        block_size: int = _UNSET, num_kv_blocks: int | None = _UNSET, max_num_seqs: int = _UNSET,
+        max_num_batched_tokens: int = _UNSET,
+        # SpeculationConfig
+        proposer: str = _UNSET, num_speculative_tokens: int = _UNSET, speculation_policy: str = _UNSET,
+        disable_by_batch_size: int | None = _UNSET, policy_options: dict = _UNSET, overlap: bool = _UNSET,
+        ngram_max: int = _UNSET, ngram_min: int = _UNSET,
+        # ClusterConfig
+        num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
+        target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
+        colocate: bool = _UNSET, compiled_graph: bool = _UNSET, placement_strategy: str = _UNSET,
+        placement_timeout_s: float = _UNSET, ray_address: str | None = _UNSET,
+        ray_connect_timeout_s: float = _UNSET, name: str | None = _UNSET, namespace: str = _UNSET,
+        detached: bool = _UNSET,
+        # whole sections (the flat keywords above override their fields) and the top level
+        model: ModelConfig | None = None, cache: CacheConfig | None = None,
+        speculation: SpeculationConfig | None = None, cluster: ClusterConfig | None = None,
+        seed: int = 0, max_pending: int = 4096,
+    ) -> None:
+        args = dict(locals())
+        flat = {k: v for k, v in args.items() if k in FIELD_SECTION and v is not _UNSET}
         given = {"model": model, "cache": cache, "speculation": speculation, "cluster": cluster}
-        flat = dict(fields)
-        if target is not None:
-            flat["target"] = target
-        if draft is not None:
-            flat["draft"] = draft
-        for name, cls in SECTIONS.items():
-            mine = {k: v for k, v in flat.items() if FIELD_SECTION[k] == name}
-            base = given[name]
+        for section, cls in SECTIONS.items():
+            mine = {k: v for k, v in flat.items() if FIELD_SECTION[k] == section}
+            base = given[section]
             if base is not None and not isinstance(base, cls):
-                raise ValueError(f"{name} must be a {cls.__name__}, got {type(base).__name__}")
-            section = (dataclasses.replace(base, **mine) if mine else base) if base is not None else cls(**mine)
-            object.__setattr__(self, name, section)
+                raise ValueError(f"{section} must be a {cls.__name__}, got {type(base).__name__}")
+            value = (dataclasses.replace(base, **mine) if mine else base) if base is not None else cls(**mine)
+            object.__setattr__(self, section, value)
         object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "max_pending", max_pending)
         self.__post_init__()
@@ -128,13 +148,9 @@ class RuntimeConfig:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
         if self.speculation.overlap and self.cluster.compiled_graph:
             raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")
-
-    def __getattr__(self, name: str):
-        # Only reached when normal lookup fails: a flat field name reads its section's value.
-        section = FIELD_SECTION.get(name)
-        if section is None or section not in self.__dict__:
-            raise AttributeError(f"RuntimeConfig has no field {name!r}")
-        return getattr(self.__dict__[section], name)
+        if self.speculation.overlap and self.cluster.colocate:
+            # In one process nothing would run beside the verify: pre-drafts would only add work.
+            object.__setattr__(self, "speculation", dataclasses.replace(self.speculation, overlap=False))
 
     def replace(self, **changes) -> "RuntimeConfig":
         """A copy with flat fields (or whole sections, ``seed``, ``max_pending``) changed."""
@@ -142,18 +158,3 @@ class RuntimeConfig:
         kwargs.update(seed=self.seed, max_pending=self.max_pending)
         kwargs.update(changes)
         return RuntimeConfig(**kwargs)
-
-    @property
-    def k(self) -> int:
-        return self.speculation.k
-
-    @property
-    def overlapped(self) -> bool:
-        """``overlap`` in force: asked for, with a draft model (n-gram proposals cost
-        nothing to hide), not co-located (in one process nothing would run beside the
-        verify: pre-drafts would only add work)."""
-        return self.speculation.overlap and self.speculation.proposer == "draft" and not self.cluster.colocate
-
-    @property
-    def lookahead(self) -> int:
-        return self.speculation.lookahead

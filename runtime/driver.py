@@ -1,9 +1,10 @@
 """The driver: owns the scheduler and the workers, runs the step loop on its own thread,
 and serves clients (submit, wait, stream polls, metrics) concurrently.
 
-As a Ray actor (``Driver``) it is threaded: client calls are answered while the loop
-thread waits on workers. With ``backend="local"`` the same class runs the workers
-in-process, which is how tests exercise the whole path quickly.
+``DriverCore`` is the driver itself; ``Driver`` is the Ray actor around it (threaded:
+client calls are answered while the loop thread waits on workers). With
+``backend="local"`` the core runs the workers in-process (co-located mode, and tests
+that exercise the whole path quickly without actors).
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from specray.chat import ChatPrompt, check_messages
-from specray.config import RuntimeConfig
-from specray.engine import Engine
-from specray.request_output import RequestOutput
+import ray
+
+from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.engine import Engine
+from specray.runtime.policies import build_policy
+from specray.runtime.request_output import RequestOutput
+from specray.runtime.worker_pool import start_workers
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.sampling_params import SamplingParams
-from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
-from specray.policies import build_policy
-from specray.worker_pool import start_workers
 
 
 # A refused call names its first bad request so that callers can drop it and resubmit.
@@ -39,6 +42,19 @@ def request_error(i: int, why) -> str:
 class Overloaded(RuntimeError):
     """The driver already holds ``max_pending`` unfinished requests. Nothing of the refused
     submit was admitted; retrying later is safe."""
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    """What a client knows of a driver: its configuration, whole, and what the driver read
+    from the models."""
+
+    config: RuntimeConfig
+    vocab_size: int
+    max_model_len: int            # the window in force: the configured one or the models', the smaller
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+    has_chat_template: bool
 
 
 @dataclass
@@ -78,7 +94,7 @@ class DriverCore:
         policy = build_policy(config.speculation)      # bad policy options are refused before any start
         # The workers start first and load their models while this process reads configs
         # and the tokenizer (importing transformers alone takes seconds): each worker
-        # bounds its own window by the models' (WorkerConfig.window_of).
+        # bounds its own window by the models'.
         cancel = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
             launch = ex.submit(start_workers, config, backend, cancel)
@@ -88,17 +104,15 @@ class DriverCore:
                 _call_off(launch, cancel)
                 raise
             self.pool = launch.result()
+        bs = config.cache.block_size
+        draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
+        self.scheduler = Scheduler(config.cache, config.speculation, self.max_model_len,
+                                   [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
+                                   draft_max_len=draft_len, num_proposers=len(self.pool.proposers), policy=policy)
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process (backend "local") they run in turn, computing the same windows.
-        overlap = config.overlapped
-        sched_cfg = SchedulerConfig(target_max_len=self.max_model_len, max_speculative_tokens=config.lookahead,
-                                    draft_max_len=draft_len, cache=config.cache, predraft=overlap)
-        bs = config.block_size
-        draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
-        self.scheduler = Scheduler(sched_cfg, [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
-                                   num_proposers=len(self.pool.proposers), policy=policy)
         self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
-                             config.target_down_timeout_s, overlap=overlap)
+                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -112,9 +126,9 @@ class DriverCore:
         self._last_error: str | None = None
         self._exporter = None
         if export_metrics if export_metrics is not None else backend == "ray":
-            from specray.metrics_export import RayMetrics
+            from specray.runtime.metrics_export import RayMetrics
 
-            self._exporter = RayMetrics(config.name or "anonymous")
+            self._exporter = RayMetrics(config.cluster.name or "anonymous")
         self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
         self._thread.start()
 
@@ -132,34 +146,29 @@ class DriverCore:
             except Exception:
                 return None
 
-        tcfg = model_loader.load_config(config.target)
+        model = config.model
+        tcfg = model_loader.load_config(model.target)
         self.vocab_size = tcfg.vocab_size
         target_len = model_loader.max_model_len(tcfg)
-        self.max_model_len = min(config.max_model_len or target_len, target_len)
+        self.max_model_len = min(model.max_model_len or target_len, target_len)
         self.eos_ids = model_loader.eos_token_ids(tcfg)
-        if config.k >= self.max_model_len:
-            raise ValueError(f"num_speculative_tokens {config.k} must be below max_model_len {self.max_model_len}")
-        if (config.max_speculative_tokens or 0) >= self.max_model_len:
-            raise ValueError(f"max_speculative_tokens {config.max_speculative_tokens} must be below "
-                             f"max_model_len {self.max_model_len}")
-        self.tokenizer = tokenizer_or_none(config.target)  # None: token-id prompts only
+        k = config.speculation.num_speculative_tokens
+        if k >= self.max_model_len:
+            raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {self.max_model_len}")
+        self.tokenizer = tokenizer_or_none(model.target)  # None: token-id prompts only
         draft_len = None
-        if config.proposer == "draft":
-            dcfg = model_loader.load_config(config.draft)
+        if model.draft is not None:
+            dcfg = model_loader.load_config(model.draft)
             # Vocabulary sizes may differ (padding); the token ids both score must agree.
-            check_pair(config.target, config.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,
-                       tokenizer_or_none(config.draft) if self.tokenizer is not None else None)
+            check_pair(model.target, model.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,
+                       tokenizer_or_none(model.draft) if self.tokenizer is not None else None)
             draft_len = model_loader.max_model_len(dcfg)
         return draft_len
 
     # -- client API ----------------------------------------------------------------
-    def info(self) -> dict:
-        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
-                "num_speculative_tokens": self.config.k, "max_speculative_tokens": self.config.lookahead,
-                "proposer": self.config.proposer,
-                "eos_token_ids": self.eos_ids, "has_tokenizer": self.tokenizer is not None,
-                "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
-                "max_pending": self.config.max_pending}
+    def info(self) -> DriverInfo:
+        return DriverInfo(self.config, self.vocab_size, self.max_model_len, list(self.eos_ids),
+                          self.tokenizer is not None, bool(getattr(self.tokenizer, "chat_template", None)))
 
     def check(self, prompts: list, params: list) -> str | None:
         """What ``submit`` would refuse these requests for (``request i: ...``), admitting
@@ -338,8 +347,8 @@ class DriverCore:
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a compiled graph's channel right now
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
-                 num_speculative_tokens=self.config.k, max_speculative_tokens=self.config.lookahead,
-                 proposer=self.config.proposer, overlap=self.engine.book is not None,
+                 num_speculative_tokens=self.config.speculation.num_speculative_tokens,
+                 proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  last_error=self._last_error)
         return m
 
@@ -406,3 +415,25 @@ class DriverCore:
         except Exception as e:  # noqa: BLE001 - metrics must not stop the serving
             # Raised here, it ended the step loop: every request then waited for ever.
             self._last_error = f"metrics export: {type(e).__name__}: {e}"
+
+
+class Driver(DriverCore):
+    """The driver actor. Threaded, so stream polls and submits are answered while the
+    step loop waits on workers."""
+
+    def __init__(self, config: RuntimeConfig, backend: str, export_metrics: bool) -> None:
+        # Ray hands the client only the text of an error raised while an actor is created,
+        # so a refused configuration is kept and reported by info(), for the client to
+        # raise as the ValueError it is.
+        self.refused: str | None = None
+        try:
+            super().__init__(config, backend, export_metrics)
+        except ValueError as e:
+            self.refused = str(e)
+
+    def info(self) -> DriverInfo | str:
+        """The driver's info, or why it refused its configuration."""
+        return self.refused if self.refused is not None else super().info()
+
+
+RemoteDriver = ray.remote(max_concurrency=256)(Driver)

@@ -9,8 +9,8 @@ import time
 GAUGES = {
     "acceptance_rate": "accepted / proposed draft tokens over the runtime's life",
     "mean_accepted_length": "tokens emitted per sequence-step",
-    "system_efficiency": "emitted / (sequence-steps * (widest k + 1)): of the most a step could emit",
-    "mean_k": "mean proposal length k_i of the last step",
+    "system_efficiency": "emitted / (sequence-steps * (num_speculative_tokens + 1)): of the most a step could emit",
+    "mean_proposal_len": "mean proposal_len of the last step",
     "tokens_per_s": "emitted tokens per second of step time",
     "num_running": "sequences running",
     "num_waiting": "requests waiting for admission",
@@ -25,7 +25,6 @@ COUNTERS = {
     "num_emitted_tokens": "tokens emitted",
     "num_steps": "steps run",
     "num_spec_off_steps": "steps in which no sequence speculated",
-    "num_stopped_proposals": "planned proposals not made: the draft stopped where they would not pay",
     "num_preemptions": "sequences preempted",
     "num_requests_finished": "requests finished",
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from specray import model_store
+from specray.runtime import model_store
 
 
 def add_parser(sub) -> None:

@@ -4,9 +4,9 @@ While the target verifies a window, each draft worker that can pre-draft drafts 
 window on the optimistic outcome of that verification (every proposal accepted, the bonus
 token the draft's own top choice; ``Predraft`` can carry several branches a sequence, the
 worker drafts one). The next step takes its proposals from there when every sequence of a
-draft plan has a branch that holds (``specray.scheduler.predraft``); that worker is then told which branches won
-(``adopt``), which also pre-drafts the step after. Otherwise the plan is drafted as
-without overlap, and the pre-draft is dropped.
+draft plan has a branch that holds (``specray.scheduler.predraft``); that worker is then
+told which branches won (``adopt``), which also pre-drafts the step after. Otherwise the
+plan is drafted as without overlap, and the pre-draft is dropped.
 
 Pre-drafting pays only when a step is likely to use it: the book keeps the share of
 sequences whose branch held, and a draft plan of ``n`` sequences is pre-drafted only while
@@ -44,7 +44,7 @@ class PredraftBook:
     def wanted(self, plan: StepPlan) -> bool:
         """Whether pre-drafting the outcomes of this draft plan's window is worth its work."""
         n = plan.num_seqs
-        if n > 0 and plan.k > 0 and self.hit_rate ** n >= self.min_use:
+        if n > 0 and plan.width > 0 and self.hit_rate ** n >= self.min_use:
             return True
         self.hit_rate += (1.0 - self.decay) * (self.prior - self.hit_rate)
         return False
@@ -58,8 +58,6 @@ class PredraftBook:
             return None, 0
         pre, probs = got
         windows = len(set(pre.seq_ids))
-        if plan.min_reach:
-            return None, windows       # its early stops need confidences a pre-draft does not keep
         held = branches(plan, pre)
         for sid, b in zip(plan.seq_ids, held):
             if sid in pre.seq_ids:

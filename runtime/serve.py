@@ -9,7 +9,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from specray.cli_args import add_model_args
+    from specray.runtime.cli_args import add_model_args
 
     p = sub.add_parser("serve", help="start (or --stop) a detached specray driver on a Ray cluster")
     add_model_args(p)
@@ -45,9 +45,9 @@ def summary_line(m: dict) -> str:
 def run(args) -> int:
     import ray
 
-    from specray import ray_env
-    from specray.cli_args import runtime_config
-    from specray.client import SpecRuntime
+    from specray.runtime import ray_env
+    from specray.runtime.cli_args import runtime_config
+    from specray.runtime.client import SpecRuntime
 
     # A server outlives this process: it joins a running cluster, never a private one.
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
@@ -68,10 +68,9 @@ def run(args) -> int:
     except ValueError:
         pass
     rt = SpecRuntime(cfg)
-    info = rt.info
-    print(f"specray: driver {args.name!r} (namespace {args.namespace!r}) serving {cfg.target} "
-          f"with proposer={cfg.proposer} k={info['num_speculative_tokens']}"
-          + (f" (alone up to {cfg.lookahead})" if cfg.lookahead > cfg.k else "") + f" on {address}")
+    spec = cfg.speculation
+    print(f"specray: driver {args.name!r} (namespace {args.namespace!r}) serving {cfg.model.target} "
+          f"with proposer={spec.proposer} num_speculative_tokens={spec.num_speculative_tokens} on {address}")
     print(f"specray: attach with SpecRuntime.connect(name={args.name!r}, namespace={args.namespace!r})",
           flush=True)
     if args.log_interval <= 0:

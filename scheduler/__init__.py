@@ -1,36 +1,43 @@
 """The decisions of specray: pure Python, no torch, no ray.
 
-Glossary (one name per quantity, from config to worker):
+Glossary: one name per quantity, from the configuration to the workers (and
+``docs/architecture.md``).
 
-- ``num_speculative_tokens`` (k): the most a sequence proposes in a batch of two or more.
-- ``max_speculative_tokens`` (the lookahead): the most any sequence proposes in a step;
-  the scheduler reserves that many lookahead slots at most. It is k unless the adaptive
-  policy lets a request alone reach further.
-- ``cap``: the most one sequence may propose this step, by the limits (its remaining
-  ``max_tokens``, both models' windows, the lookahead, its draft worker being up).
-- ``proposal_len`` (k_i): what the policy gives a sequence this step (<= its cap); a draft
-  that stops early may make fewer (``Proposals.proposal_lens``).
-- ``StepPlan.k``: a step's width, its longest ``proposal_len``: proposals and draft
-  probabilities travel as ``[n, k]`` grids.
+- ``num_speculative_tokens``: the most tokens a sequence proposes in a step (the user's
+  setting, ``SpeculationConfig``; 0 with ``proposer="none"``). Written k in formulas.
+- ``proposal_limit``: the most one sequence may propose this step, by its limits: its
+  remaining ``max_tokens``, both models' windows, ``num_speculative_tokens``, its draft
+  worker being up (``Scheduler.proposal_limit``).
+- ``proposal_len``: what one sequence is asked to propose this step, at most its limit:
+  the policy's choice (``Decision``), lowered to 0 where its draft's KV pool is short
+  (``Sequence.proposal_len``, ``StepPlan.proposal_lens``).
+- ``width``: a step's longest ``proposal_len``; proposals and draft probabilities travel
+  as ``[n, width]`` grids (``StepPlan.width``).
+- lookahead: the KV slots a step reserves past a sequence's tokens for its proposals
+  (``proposal_len`` on the target, one fewer on the draft: ``BlockManager``).
 - ``num_computed``: tokens already in a worker's KV cache for a sequence
   (``Sequence.target_computed`` / ``draft_computed``); a step feeds ``tokens[num_computed:]``.
-- accepted / bonus / emitted: see ``specray.workers.rejection_sampler``.
+- a verdict (``Verdict``), per sequence and step: ``proposed`` (proposals verified, at
+  most its ``proposal_len``: a proposer may find fewer), ``accepted`` (the longest prefix
+  of them the target keeps) and the emitted ``tokens``: the accepted ones, then the
+  target's own next token (a correction, or the bonus token when all were accepted), so
+  accepted + 1 of them. ``Sequence.apply`` holds the token accounting that follows.
 """
 
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
-from specray.scheduler.merge import MergedProposals, merge_proposals
+from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import PROTOCOL_VERSION, ProtocolError, Proposals, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
-from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus
-from specray.scheduler.speculation_policy import Decision, PolicyOutcome, PolicyView, SpeculationPolicy, StaticPolicy
+from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
 from specray.scheduler.stats import SpecStats
-from specray.scheduler.step import ScheduledStep, StepOutcome
+from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict
 
 __all__ = [
-    "BlockManager", "CacheConfig", "SpeculationConfig", "MergedProposals", "merge_proposals", "PROTOCOL_VERSION",
-    "ProtocolError", "Proposals", "StepPlan", "StepResult", "decode", "encode", "SamplingParams", "ScheduledStep",
-    "StepOutcome", "Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus", "SpecStats", "Decision",
-    "PolicyOutcome", "PolicyView", "SpeculationPolicy", "StaticPolicy",
+    "BlockManager", "CacheConfig", "SpeculationConfig", "merge_proposals", "PROTOCOL_VERSION", "ProtocolError",
+    "Proposals", "StepPlan", "StepResult", "decode", "encode", "SamplingParams", "ScheduledStep", "StepOutcome",
+    "Verdict", "Scheduler", "Sequence", "SequenceStatus", "SpecStats", "Decision", "PolicyView",
+    "SpeculationPolicy", "StaticPolicy",
 ]

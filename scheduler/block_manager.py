@@ -6,15 +6,16 @@ asking the worker. Block counts are a pure function of each sequence's slot coun
 the mirror and the worker agree on how many blocks are free even though they may hand
 out different physical ids.
 
-Slots of one sequence, block_size = 4, 9 tokens in KV plus 2 lookahead slots::
+Slots of one sequence, block_size = 4, 9 tokens in KV plus 2 lookahead slots (the KV
+slots a step reserves past a sequence's tokens for its proposals)::
 
     block table:  [ 7 ][ 2 ][ 5 ]
     slots:        0..3  4..7  8  9 10 11
                   KV    KV    KV la la  (free)
 
-``allocate(seq, 11)`` makes sure 11 slots exist (3 blocks). After the target accepts one
-of the two lookahead tokens, ``truncate(seq, 10)`` keeps ceil(10 / 4) = 3 blocks; stale
-slots past 10 are simply overwritten by the next step.
+``allocate_slots(seq, 11)`` makes the sequence hold exactly the 3 blocks 11 slots need.
+After the target accepts one of the two lookahead tokens, ``allocate_slots(seq, 10)``
+keeps ceil(10 / 4) = 3 blocks; stale slots past 10 are simply overwritten by the next step.
 """
 
 from __future__ import annotations
@@ -44,48 +45,37 @@ class BlockManager:
     def blocks_needed(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
 
-    def num_slots(self, seq_id: int) -> int:
-        return len(self._tables.get(seq_id, ())) * self.block_size
-
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
 
     def has(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
-    def can_allocate(self, seq_id: int, num_tokens: int, num_lookahead: int = 0) -> bool:
-        have = len(self._tables.get(seq_id, ()))
-        return self.blocks_needed(num_tokens + num_lookahead) - have <= len(self._free)
+    def can_allocate_slots(self, seq_id: int, num_slots: int) -> bool:
+        """Whether ``allocate_slots(seq_id, num_slots)`` would succeed (shrinking always does)."""
+        return self.blocks_needed(num_slots) - len(self._tables.get(seq_id, ())) <= len(self._free)
 
     # -- operations ----------------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int, num_lookahead: int = 0) -> bool:
-        """Make room for ``num_tokens + num_lookahead`` slots. All or nothing: returns
-        False (and changes nothing) when the pool cannot hold them; the caller preempts
-        or waits."""
-        if num_tokens < 0 or num_lookahead < 0:
-            raise ValueError(f"negative slot count: {num_tokens=} {num_lookahead=}")
-        created = seq_id not in self._tables
-        table = self._tables.setdefault(seq_id, [])
-        missing = self.blocks_needed(num_tokens + num_lookahead) - len(table)
-        if missing > len(self._free):
-            if created:
-                del self._tables[seq_id]
+    def allocate_slots(self, seq_id: int, num_slots: int) -> bool:
+        """Make the sequence hold exactly the blocks ``num_slots`` slots need: blocks past
+        them go back to the pool, missing ones are taken from it. All or nothing: returns
+        False (and changes nothing) when the pool cannot hold them; the caller preempts or
+        waits."""
+        if num_slots < 0:
+            raise ValueError(f"negative slot count: {num_slots}")
+        table = self._tables.get(seq_id)
+        want = self.blocks_needed(num_slots)
+        have = len(table) if table is not None else 0
+        if want - have > len(self._free):
             return False
-        for _ in range(missing):
+        if table is None:
+            table = self._tables[seq_id] = []
+        if want < have:
+            self._free.extend(reversed(table[want:]))
+            del table[want:]
+        for _ in range(want - have):
             table.append(self._free.pop())
         return True
-
-    def truncate(self, seq_id: int, num_tokens: int) -> int:
-        """Keep the blocks that hold the first ``num_tokens`` slots; return how many
-        blocks were freed."""
-        table = self._tables.get(seq_id)
-        if table is None:
-            return 0
-        keep = self.blocks_needed(num_tokens)
-        freed = table[keep:]
-        del table[keep:]
-        self._free.extend(reversed(freed))
-        return len(freed)
 
     def free(self, seq_id: int) -> int:
         table = self._tables.pop(seq_id, None)

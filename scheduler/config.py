@@ -55,26 +55,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """What proposes and how many tokens. ``num_speculative_tokens`` (k) is the most a
-    sequence proposes in a batch; ``max_speculative_tokens`` the most any step proposes
-    (the lookahead slots the scheduler reserves): k, except for the adaptive policy whose
-    draft stops early, where a request alone may reach twice k by default. ``k`` and
-    ``lookahead`` are the two in force (0 with ``proposer="none"``)."""
+    """What proposes, and how many tokens a sequence proposes per step. With
+    ``proposer="none"`` nothing does: ``num_speculative_tokens`` is 0 there whatever was
+    asked, and ``overlap`` is on only with a draft model (n-gram proposals cost nothing to
+    hide)."""
 
     proposer: str = field(default="draft", metadata={
         "help": "draft model, n-gram prompt lookup, or none (plain decoding)", "choices": PROPOSERS})
     num_speculative_tokens: int = field(default=4, metadata={
-        "help": "k: tokens a sequence proposes per step", "flags": ("-k", "--num-speculative-tokens")})
-    max_speculative_tokens: int | None = field(default=None, metadata={
-        "help": "with --policy adaptive: a request alone proposes up to this many, its draft stopping "
-                "early (default: twice k)"})
+        "help": "tokens a sequence proposes per step, at most", "flags": ("-k", "--num-speculative-tokens")})
     speculation_policy: str = field(default="static", metadata={
-        "help": "fixed k, or per-sequence k_i chosen for goodput", "choices": POLICIES,
-        "flags": ("--policy", "--speculation-policy")})
+        "help": "num_speculative_tokens for every sequence, or each sequence's own proposal_len chosen for "
+                "goodput", "choices": POLICIES, "flags": ("--policy", "--speculation-policy")})
     disable_by_batch_size: int | None = field(default=None, metadata={
         "help": "no speculation once this many sequences run"})
-    draft_early_stop: bool = field(default=True, metadata={
-        "help": "with --policy adaptive: a request alone's draft stops where a proposal stops paying"})
     policy_options: dict = field(default_factory=dict, metadata={
         "help": "the policy's own settings, JSON (adaptive: AdaptiveConfig fields, e.g. '{\"rate_spread\": false}')"})
     # Off by default: on the machines measured so far it did not pay (docs/overlap.md).
@@ -87,7 +81,6 @@ class SpeculationConfig:
         check_choice("proposer", self.proposer, PROPOSERS)
         check_choice("speculation_policy", self.speculation_policy, POLICIES)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0 if self.proposer == "none" else 1)
-        check_bool("draft_early_stop", self.draft_early_stop)
         check_bool("overlap", self.overlap)
         if not isinstance(self.policy_options, dict) or not all(isinstance(k, str) for k in self.policy_options):
             raise ValueError(f"policy_options must map option names to values, got {self.policy_options!r}")
@@ -98,28 +91,7 @@ class SpeculationConfig:
         if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
                 and 1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        if self.max_speculative_tokens is not None:
-            check_int("max_speculative_tokens", self.max_speculative_tokens)
-            if not self.stops_early:
-                raise ValueError("max_speculative_tokens applies to speculation_policy='adaptive' with "
-                                 "proposer='draft' and draft_early_stop=True (a draft that stops early)")
-            if self.max_speculative_tokens < self.num_speculative_tokens:
-                raise ValueError(f"max_speculative_tokens {self.max_speculative_tokens} must be >= "
-                                 f"num_speculative_tokens {self.num_speculative_tokens}")
-
-    @property
-    def stops_early(self) -> bool:
-        """Whether a request alone has a draft that stops early (and may reach past k)."""
-        return self.speculation_policy == "adaptive" and self.proposer == "draft" and self.draft_early_stop
-
-    @property
-    def k(self) -> int:
-        """``num_speculative_tokens`` in force: 0 without a proposer."""
-        return 0 if self.proposer == "none" else self.num_speculative_tokens
-
-    @property
-    def lookahead(self) -> int:
-        """``max_speculative_tokens`` in force: the most any step proposes."""
-        if not self.stops_early:
-            return self.k
-        return self.max_speculative_tokens or 2 * self.num_speculative_tokens
+        if self.proposer == "none":
+            object.__setattr__(self, "num_speculative_tokens", 0)
+        if self.proposer != "draft":
+            object.__setattr__(self, "overlap", False)

@@ -1,11 +1,11 @@
-"""Merge draft proposals from any number of shards into one target batch.
+"""Merge draft proposals from any number of shards into one target plan.
 
 The seed's ``_merge_outputs`` scattered one shard's ``[m, k]`` proposals into an
 ``[n, k]`` batch where skipped sequences carry ``-1``; here any number of shards, each
-with its own per-sequence lengths, land in the target batch's order::
+with its own per-sequence lengths, land in the target plan's order::
 
-    target batch:   s0  s1  s2  s3          shard A: s2 (len 2)   shard B: s0 (len 3)
-    merged tokens:  [a b c] [-1 -1 -1] [x y -1] [-1 -1 -1]
+    target plan:    s0  s1  s2  s3          shard A: s2 (len 2)   shard B: s0 (len 3)
+    proposals:      [a b c] [-1 -1 -1] [x y -1] [-1 -1 -1]
     proposal_lens:  3        0          2        0
     draft_rows:     1        -1         0        -1     (row in A's probs ++ B's probs)
 
@@ -18,49 +18,32 @@ skipped, but their rows still count, since the target receives whole probability
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 from specray.scheduler.messages import Proposals, StepPlan
 
 
-@dataclass
-class MergedProposals:
-    token_ids: list[int]       # [n * k], -1 padded
-    proposal_lens: list[int]   # [n]
-    draft_rows: list[int]      # [n]
-    # seq id -> the draft's probability of each of its proposals, where a draft reported them
-    confidence: dict[int, list[float]] = field(default_factory=dict)
-
-
-def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> MergedProposals:
-    n = len(seq_ids)
-    tokens = [-1] * (n * k)
+def merge_proposals(plan: StepPlan, shards: list[Proposals]) -> StepPlan:
+    """The target ``plan`` with the shards' proposals for its sequences, as a new plan:
+    its ``proposal_lens`` become what the drafts made (0 where no shard proposed)."""
+    n, width = plan.num_seqs, plan.width
+    tokens = [-1] * (n * width)
     lens = [0] * n
     rows = [-1] * n
-    where = {sid: i for i, sid in enumerate(seq_ids)}
+    where = {sid: i for i, sid in enumerate(plan.seq_ids)}
     row_offset = 0
-    confidence: dict[int, list[float]] = {}
     for shard in shards:
-        if shard.k != k:
-            raise ValueError(f"shard proposed with k={shard.k}, the step uses k={k}")
+        if shard.width != width:
+            raise ValueError(f"shard proposed with width {shard.width}, the step's is {width}")
         for r, sid in enumerate(shard.seq_ids):
             i = where.get(sid)
             if i is None:
                 continue
             length = shard.proposal_lens[r]
             lens[i] = length
-            tokens[i * k:i * k + length] = shard.token_ids[r * k:r * k + length]
-            if shard.confidence and length:
-                confidence[sid] = shard.confidence[r * k:r * k + length]
+            tokens[i * width:i * width + length] = shard.token_ids[r * width:r * width + length]
             if shard.has_probs and length:
                 rows[i] = row_offset + (shard.prob_rows[r] if shard.prob_rows else r)
         if shard.has_probs:
             row_offset += shard.num_prob_rows or len(shard.seq_ids)
-    return MergedProposals(tokens, lens, rows, confidence)
-
-
-def attach(plan: StepPlan, merged: MergedProposals) -> None:
-    """The merged proposals become the target plan's (what its worker verifies)."""
-    plan.proposal_token_ids = merged.token_ids
-    plan.proposal_lens = merged.proposal_lens
-    plan.draft_rows = merged.draft_rows
+    return replace(plan, proposal_token_ids=tokens, proposal_lens=lens, draft_rows=rows)

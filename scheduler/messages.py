@@ -22,14 +22,8 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-REACH_BINS = 10                  # deciles of the draft's probability (StepPlan.reach_map)
-
-
-def decile(probability: float) -> int:
-    """The ``StepPlan.reach_map`` bin of a draft probability."""
-    return min(max(int(probability * REACH_BINS), 0), REACH_BINS - 1)
 
 
 class ProtocolError(ValueError):
@@ -46,25 +40,21 @@ def _scalar(kind: type, default):
 
 @dataclass
 class StepPlan:
-    """One step's work for one worker, per sequence in batch order.
+    """One step's work for one worker, per sequence in batch order (the words are
+    ``specray.scheduler``'s glossary).
 
     ``token_ids`` holds, back to back, the ``num_new[i]`` tokens each sequence feeds
     (``tokens[num_computed:]``). ``num_slots[i]`` is the KV slot count the worker's pool
     must hold for the sequence after this step, exactly as the driver's mirror of that
-    pool reserved it. For the target, ``proposal_token_ids`` is ``[n, k]`` flattened with
-    ``-1`` padding past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row
-    in the draft probabilities (``-1``: a deterministic proposal, e.g. n-gram).
-
-    For the draft, ``min_reach[i]`` (empty: none) lets a sequence stop proposing before
-    ``proposal_lens[i]``: once the chance that all its proposals so far are accepted falls
-    below it, a further proposal would not pay for its pass. That chance is the product,
-    over its proposals, of ``reach_map`` at the decile of the draft's probability of each
-    (``reach_map[b]``: how often a proposal drawn with probability in ``[b/10, (b+1)/10)``
-    has been accepted; empty: the probability itself).
+    pool reserved it. ``proposal_lens[i]``: what the sequence proposes this step (a draft
+    plan: how many to make; a target plan: how many ``proposal_token_ids`` to verify).
+    For the target, ``proposal_token_ids`` is ``[n, width]`` flattened with ``-1`` padding
+    past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row in the draft
+    probabilities (``-1``: a deterministic proposal, e.g. n-gram).
     """
 
     step_id: int = _scalar(int, 0)
-    k: int = _scalar(int, 0)
+    width: int = _scalar(int, 0)
     seq_ids: list[int] = _packed("q")
     num_computed: list[int] = _packed("i")
     num_new: list[int] = _packed("i")
@@ -78,8 +68,6 @@ class StepPlan:
     top_p: list[float] = _packed("d")
     seeds: list[int] = _packed("q")
     free_seq_ids: list[int] = _packed("q")
-    min_reach: list[float] = _packed("d")
-    reach_map: list[float] = _packed("d")
 
     @property
     def num_seqs(self) -> int:
@@ -90,16 +78,17 @@ class StepPlan:
         for name in ("num_computed", "num_new", "num_slots", "proposal_lens",
                      "temperature", "top_k", "top_p", "seeds"):
             _expect(len(getattr(self, name)) == n, f"StepPlan.{name} has {len(getattr(self, name))} entries for {n} sequences")
-        _expect(self.k >= 0, f"StepPlan.k must be >= 0, got {self.k}")
+        _expect(self.width >= 0, f"StepPlan.width must be >= 0, got {self.width}")
         _expect(sum(self.num_new) == len(self.token_ids),
                 f"StepPlan.token_ids has {len(self.token_ids)} tokens, num_new sums to {sum(self.num_new)}")
         _expect(len(set(self.seq_ids)) == n, "StepPlan.seq_ids repeats a sequence")
         _expect(all(c >= 0 for c in self.num_computed), "StepPlan.num_computed is negative")
         _expect(all(c >= 0 for c in self.num_new), "StepPlan.num_new is negative")
-        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "StepPlan.proposal_lens outside [0, k]")
+        _expect(all(0 <= x <= self.width for x in self.proposal_lens), "StepPlan.proposal_lens outside [0, width]")
         if self.proposal_token_ids or self.draft_rows:
-            _expect(len(self.proposal_token_ids) == n * self.k,
-                    f"StepPlan.proposal_token_ids has {len(self.proposal_token_ids)} entries, expected {n * self.k}")
+            _expect(len(self.proposal_token_ids) == n * self.width,
+                    f"StepPlan.proposal_token_ids has {len(self.proposal_token_ids)} entries, "
+                    f"expected {n * self.width}")
             _expect(len(self.draft_rows) == n, "StepPlan.draft_rows does not match seq_ids")
         for i in range(n):
             _expect(self.num_slots[i] >= self.num_computed[i] + self.num_new[i],
@@ -108,29 +97,21 @@ class StepPlan:
         _expect(all(0.0 < p <= 1.0 for p in self.top_p), "StepPlan.top_p must be in (0, 1]")
         _expect(all(x >= 0 for x in self.top_k), "StepPlan.top_k must be >= 0")
         _expect(all(r >= -1 for r in self.draft_rows), "StepPlan.draft_rows must be >= -1")
-        _expect(len(self.min_reach) in (0, n), f"StepPlan.min_reach has {len(self.min_reach)} entries for {n} sequences")
-        _expect(all(0.0 <= x <= 1.0 for x in self.min_reach), "StepPlan.min_reach must be in [0, 1]")
-        _expect(len(self.reach_map) in (0, REACH_BINS),
-                f"StepPlan.reach_map has {len(self.reach_map)} entries, expected {REACH_BINS} or none")
-        _expect(all(0.0 <= x <= 1.0 for x in self.reach_map), "StepPlan.reach_map must be in [0, 1]")
 
 
 @dataclass
 class Proposals:
-    """Draft tokens for the sequences of one draft plan: ``token_ids`` is ``[n, k]``
-    flattened, ``-1`` past ``proposal_lens[i]`` (which may be shorter than planned when a
-    proposer finds nothing to propose, or a draft stopped early, see ``StepPlan.min_reach``).
-    ``confidence`` (empty unless the plan asked for early stops) is ``[n, k]`` flattened:
-    the draft's probability of each proposal, 0 past ``proposal_lens[i]``."""
+    """Draft tokens for the sequences of one draft plan: ``token_ids`` is ``[n, width]``
+    flattened, ``-1`` past ``proposal_lens[i]`` (which may be shorter than planned where a
+    proposer finds nothing to propose)."""
 
     step_id: int = _scalar(int, 0)
-    k: int = _scalar(int, 0)
+    width: int = _scalar(int, 0)
     has_probs: bool = _scalar(bool, False)
     compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
     seq_ids: list[int] = _packed("q")
     proposal_lens: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
-    confidence: list[float] = _packed("d")
     # Where each sequence's draft probabilities sit in the probabilities sent with these
     # proposals (empty: row i is sequence i's) and how many rows those hold (0: n): a
     # window taken from a pre-draft points into the pre-draft's rows.
@@ -139,34 +120,36 @@ class Proposals:
 
     def validate(self) -> None:
         n = len(self.seq_ids)
-        _expect(self.k >= 0, f"Proposals.k must be >= 0, got {self.k}")
+        _expect(self.width >= 0, f"Proposals.width must be >= 0, got {self.width}")
         _expect(len(self.prob_rows) in (0, n), "Proposals.prob_rows does not match seq_ids")
         _expect(all(0 <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
                 "Proposals.prob_rows outside the probabilities' rows")
         _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
-        _expect(len(self.token_ids) == n * self.k,
-                f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.k}")
-        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Proposals.proposal_lens outside [0, k]")
+        _expect(len(self.token_ids) == n * self.width,
+                f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.width}")
+        _expect(all(0 <= x <= self.width for x in self.proposal_lens), "Proposals.proposal_lens outside [0, width]")
         _expect(0.0 <= self.compute_s < float("inf"), "Proposals.compute_s must be finite and >= 0")
-        _expect(len(self.confidence) in (0, n * self.k),
-                f"Proposals.confidence has {len(self.confidence)} entries, expected {n * self.k} or none")
-        _expect(all(0.0 <= x <= 1.0 for x in self.confidence), "Proposals.confidence must be in [0, 1]")
 
 
 @dataclass
 class StepResult:
-    """Tokens the target emitted this step: ``num_emitted[i]`` = accepted + 1, back to
-    back in ``token_ids``."""
+    """What the target verified and emitted this step, per sequence: ``num_proposed[i]``
+    proposals verified, ``num_emitted[i]`` = accepted + 1 tokens emitted, back to back in
+    ``token_ids``."""
 
     step_id: int = _scalar(int, 0)
     compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
     seq_ids: list[int] = _packed("q")
+    num_proposed: list[int] = _packed("i")
     num_emitted: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
 
     def validate(self) -> None:
         _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")
+        _expect(len(self.num_proposed) == len(self.seq_ids), "StepResult.num_proposed does not match seq_ids")
         _expect(all(x >= 1 for x in self.num_emitted), "StepResult.num_emitted must be >= 1")
+        _expect(all(1 <= e <= p + 1 for p, e in zip(self.num_proposed, self.num_emitted)),
+                "StepResult.num_emitted must be in [1, num_proposed + 1]")
         _expect(sum(self.num_emitted) == len(self.token_ids), "StepResult.token_ids does not match num_emitted")
         _expect(0.0 <= self.compute_s < float("inf"), "StepResult.compute_s must be finite and >= 0")
 
@@ -179,11 +162,11 @@ class Predraft:
     ``num_computed == base[b]`` and feeds exactly its ``fed_lens[b]`` tokens of
     ``fed_token_ids`` (the accepted proposals' tail and a guess of the target's next token);
     its ``proposal_lens[b]`` proposals are then the ones the draft would make there
-    (``token_ids`` and ``confidence``: ``[B, k]`` flattened, -1 and 0 padded). When
-    ``has_probs``, the draft probabilities travel beside it as one ``[B, k, V]`` tensor."""
+    (``token_ids``: ``[B, width]`` flattened, -1 padded). When ``has_probs``, the draft
+    probabilities travel beside it as one ``[B, width, V]`` tensor."""
 
     step_id: int = _scalar(int, 0)
-    k: int = _scalar(int, 0)
+    width: int = _scalar(int, 0)
     has_probs: bool = _scalar(bool, False)
     compute_s: float = _scalar(float, 0.0)
     seq_ids: list[int] = _packed("q")
@@ -192,7 +175,6 @@ class Predraft:
     fed_token_ids: list[int] = _packed("i")
     proposal_lens: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
-    confidence: list[float] = _packed("d")
 
     @property
     def num_branches(self) -> int:
@@ -200,17 +182,15 @@ class Predraft:
 
     def validate(self) -> None:
         b = len(self.seq_ids)
-        _expect(self.k >= 0, f"Predraft.k must be >= 0, got {self.k}")
+        _expect(self.width >= 0, f"Predraft.width must be >= 0, got {self.width}")
         for name in ("base", "fed_lens", "proposal_lens"):
             _expect(len(getattr(self, name)) == b, f"Predraft.{name} has {len(getattr(self, name))} entries for {b}")
         _expect(all(x >= 1 for x in self.fed_lens), "Predraft.fed_lens must be >= 1")
         _expect(sum(self.fed_lens) == len(self.fed_token_ids), "Predraft.fed_token_ids does not match fed_lens")
         _expect(all(x >= 0 for x in self.base), "Predraft.base is negative")
-        _expect(all(0 <= x <= self.k for x in self.proposal_lens), "Predraft.proposal_lens outside [0, k]")
-        _expect(len(self.token_ids) == b * self.k, f"Predraft.token_ids has {len(self.token_ids)} entries, "
-                                                   f"expected {b * self.k}")
-        _expect(len(self.confidence) in (0, b * self.k), "Predraft.confidence does not match token_ids")
-        _expect(all(0.0 <= x <= 1.0 for x in self.confidence), "Predraft.confidence must be in [0, 1]")
+        _expect(all(0 <= x <= self.width for x in self.proposal_lens), "Predraft.proposal_lens outside [0, width]")
+        _expect(len(self.token_ids) == b * self.width, f"Predraft.token_ids has {len(self.token_ids)} entries, "
+                                                       f"expected {b * self.width}")
         _expect(0.0 <= self.compute_s < float("inf"), "Predraft.compute_s must be finite and >= 0")
 
 

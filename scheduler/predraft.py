@@ -8,9 +8,7 @@ plan's ``num_computed`` and fed tokens are exactly the ones the branch assumed: 
 proposals were then drafted on the prefix the target actually emitted, so taking them is
 the same as drafting them now (exactness needs nothing more). A step takes pre-drafted
 proposals only when every drafting sequence of a draft worker has a branch that holds;
-otherwise that worker drafts as it would without pre-drafts. Plans whose drafts stop
-early (``StepPlan.min_reach``) never take pre-drafts: their stops need the draft's
-per-pass confidences, which a pre-draft does not keep.
+otherwise that worker drafts as it would without pre-drafts.
 """
 
 from __future__ import annotations
@@ -46,22 +44,16 @@ def all_held(held: list[int | None]) -> list[int] | None:
     return held
 
 
-def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
-    """The branch of every sequence of the draft ``plan``, or None when any sequence has
-    none (the plan is then drafted as usual)."""
-    return all_held(branches(plan, pre))
-
-
 def window(plan: StepPlan, pre: Predraft, chosen: list[int]) -> Proposals:
     """The proposals the draft plan gets from its chosen branches: each sequence's first
     ``proposal_lens[i]``, in the plan's width, with its probabilities' rows pointing into
     the pre-draft's."""
-    k, m = plan.k, pre.k
+    width, m = plan.width, pre.width
     lens, tokens = [], []
     for i, b in enumerate(chosen):
         n = plan.proposal_lens[i]
         lens.append(n)
-        tokens += pre.token_ids[b * m:b * m + n] + [-1] * (k - n)
-    return Proposals(step_id=plan.step_id, k=k, has_probs=pre.has_probs, seq_ids=list(plan.seq_ids),
+        tokens += pre.token_ids[b * m:b * m + n] + [-1] * (width - n)
+    return Proposals(step_id=plan.step_id, width=width, has_probs=pre.has_probs, seq_ids=list(plan.seq_ids),
                      proposal_lens=lens, token_ids=tokens, prob_rows=list(chosen) if pre.has_probs else [],
                      num_prob_rows=pre.num_branches if pre.has_probs else 0)

@@ -4,12 +4,12 @@ over any number of target and draft workers.
 Each step::
 
     schedule()        -> ScheduledStep: one plan per target worker, one per draft worker
-    workers           -> Proposals (per draft worker), StepResult (per target worker)
+    workers           -> Proposals (per draft worker), verdicts (per target worker)
     update(outcome)   -> sequences advanced, finished ones released
 
 How many tokens each sequence proposes is its ``SpeculationPolicy``'s call (``decide``
-before planning, ``observe`` after the verdict); the scheduler bounds it by each
-sequence's cap and reserves the slots.
+before planning, ``observe`` after the verdicts); the scheduler bounds it by each
+sequence's ``proposal_limit`` and reserves the slots.
 
 Every sequence lives on one target worker and one draft worker (its ranks), chosen when
 it is admitted — the least loaded by tokens where it fits — and kept while it runs, so
@@ -27,58 +27,41 @@ preempted sequence goes back to the front of the queue with every token it emitt
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.config import CacheConfig
+from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepPlan
 from specray.scheduler.sequence import Sequence, SequenceStatus
-from specray.scheduler.speculation_policy import (Decision, PolicyOutcome, PolicyView, SequenceOutcome,
-                                                  SpeculationPolicy, StaticPolicy)
+from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
 from specray.scheduler.stats import SpecStats
 from specray.scheduler.step import ScheduledStep, StepOutcome
 
 
-@dataclass
-class SchedulerConfig:
-    target_max_len: int
-    max_speculative_tokens: int = 0       # the lookahead: the most any step proposes (0: no proposer)
-    draft_max_len: int | None = None      # None: the proposer has no length limit (n-gram)
-    cache: CacheConfig = CacheConfig()
-    # Overlap: a drafting sequence also reserves, where they fit, the draft slots of a
-    # pre-draft of its next window (k_i + 1 past its own: the last proposal, the bonus
-    # guess and k_i - 1 passes). Where they do not fit its draft worker does not pre-draft it.
-    predraft: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_speculative_tokens, bool) or not isinstance(self.max_speculative_tokens, int) \
-                or self.max_speculative_tokens < 0:
-            raise ValueError(f"max_speculative_tokens must be an int >= 0, got {self.max_speculative_tokens!r}")
-        if self.target_max_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.target_max_len}")
-        if not isinstance(self.cache, CacheConfig):
-            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, target_pools: BlockManager | list[BlockManager],
-                 draft_pools: BlockManager | list[BlockManager] | None = None, num_proposers: int = 1,
+    def __init__(self, cache: CacheConfig, speculation: SpeculationConfig, max_model_len: int,
+                 target_pools: BlockManager | list[BlockManager], draft_pools: BlockManager | list[BlockManager] |
+                 None = None, *, draft_max_len: int | None = None, num_proposers: int = 1,
                  policy: SpeculationPolicy | None = None) -> None:
-        """``draft_pools``: the draft workers' pools (None for a proposer without KV, such
-        as n-gram lookup, of which there are ``num_proposers``). ``policy``: what each
-        sequence proposes (default: static k = the lookahead)."""
-        self.config = config
-        # The lookahead: slots are reserved and caps computed for the widest step.
-        self.k = config.max_speculative_tokens
-        self.policy: SpeculationPolicy = policy if policy is not None else StaticPolicy(self.k)
+        """``max_model_len``: the window in force (the target's, or less); ``draft_max_len``:
+        the draft's (None: a proposer without one, such as n-gram lookup). ``draft_pools``:
+        the draft workers' pools (None for a proposer without KV, of which there are
+        ``num_proposers``). ``policy``: what each sequence proposes (default: static)."""
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.cache = cache
+        self.speculation = speculation
+        self.max_model_len = max_model_len
+        self.draft_max_len = draft_max_len
+        self.num_speculative_tokens = speculation.num_speculative_tokens
+        self.policy: SpeculationPolicy = policy if policy is not None else StaticPolicy(speculation)
         self.target_pools = _as_list(target_pools)
         self.draft_pools = _as_list(draft_pools) if draft_pools is not None else []
         if not self.target_pools:
             raise ValueError("at least one target pool is needed")
-        self.num_draft_ranks = (len(self.draft_pools) or num_proposers) if self.k else 0
+        self.num_draft_ranks = (len(self.draft_pools) or num_proposers) if self.num_speculative_tokens else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.stats = SpecStats(k=self.k)
+        self.stats = SpecStats(self.num_speculative_tokens)
         self._step_id = 0
         self._draft_slots: dict[int, int] = {}     # this step's draft reservations (_reserve)
         # Frees the workers have not been told about yet; they travel with the next plan.
@@ -89,9 +72,9 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if seq.num_tokens >= self.config.target_max_len:
+        if seq.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt of {seq.num_tokens} tokens leaves no room below max_model_len "
-                             f"{self.config.target_max_len}")
+                             f"{self.max_model_len}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -100,41 +83,46 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- planning ------------------------------------------------------------------
-    def cap(self, seq: Sequence) -> int:
-        """The most ``seq`` may propose this step: at most the lookahead, leaves room for the bonus token inside max_tokens and
-        max_model_len, and is 0 where the draft cannot see that far."""
-        if self.k == 0 or seq.draft_rank in self.drafts_down:
+    def proposal_limit(self, seq: Sequence) -> int:
+        """The most ``seq`` may propose this step: at most ``num_speculative_tokens``,
+        leaving room for the target's own token inside ``max_tokens`` and
+        ``max_model_len``, and 0 where the draft cannot see that far or is down."""
+        if self.num_speculative_tokens == 0 or seq.draft_rank in self.drafts_down:
             return 0
         n = seq.num_tokens
-        k = min(self.k, seq.remaining - 1, self.config.target_max_len - n - 1)
-        limit = self.config.draft_max_len
-        if limit is not None and n + k > limit:
+        limit = min(self.num_speculative_tokens, seq.remaining - 1, self.max_model_len - n - 1)
+        if self.draft_max_len is not None and n + limit > self.draft_max_len:
             # The seed's split: past the draft's window the sequence decodes without it.
             return 0
-        return max(k, 0)
+        return max(limit, 0)
 
     def _draft_pool(self, seq: Sequence) -> BlockManager | None:
         return self.draft_pools[seq.draft_rank] if self.draft_pools else None
 
-    def _reserve(self, seq: Sequence, k: int) -> int | None:
-        """Reserve slots for one step; returns the k_i that fits (draft shortfalls lower
-        it to 0, which needs no draft slots) or None when the target cannot hold even the
-        fed tokens."""
-        n = seq.num_tokens
+    def _reserve(self, seq: Sequence, proposal_len: int) -> int | None:
+        """Reserve slots for one step; returns the proposal_len that fits (draft shortfalls
+        lower it to 0, which needs no draft slots) or None when the target cannot hold
+        even the fed tokens."""
+        n, k = seq.num_tokens, proposal_len
         target = self.target_pools[seq.target_rank]
         draft = self._draft_pool(seq)
-        if k > 0 and draft is not None and not _fits(draft, seq.seq_id, n + k - 1):
+        # The draft writes each proposal but the last; the target every proposal.
+        if k > 0 and draft is not None and not draft.can_allocate_slots(seq.seq_id, n + k - 1):
             k = 0
-        if not _fits(target, seq.seq_id, n + k):
-            if k == 0 or not _fits(target, seq.seq_id, n):
+        if not target.allocate_slots(seq.seq_id, n + k):
+            if k == 0 or not target.allocate_slots(seq.seq_id, n):
                 return None
             k = 0
-        _resize(target, seq.seq_id, n + k)
         if k > 0 and draft is not None:
-            slots, ahead, limit = n + k - 1, n + 2 * k, self.config.draft_max_len
-            if self.config.predraft and (limit is None or ahead <= limit) and _fits(draft, seq.seq_id, ahead):
+            slots = n + k - 1
+            # Overlap: also a pre-draft of the next window (k + 1 past its own: the last
+            # proposal, the guess of the target's token and k - 1 passes), where it fits.
+            ahead = n + 2 * k
+            if (self.speculation.overlap and (self.draft_max_len is None or ahead <= self.draft_max_len)
+                    and draft.allocate_slots(seq.seq_id, ahead)):
                 slots = ahead
-            _resize(draft, seq.seq_id, slots)
+            else:
+                draft.allocate_slots(seq.seq_id, slots)
             self._draft_slots[seq.seq_id] = slots
         return k
 
@@ -169,29 +157,29 @@ class Scheduler:
         target pool it fits in beats one it does not."""
         n = seq.num_tokens
         seq.target_rank = min(range(len(t_load)), key=lambda r: (
-            r in self.targets_down, not _fits(self.target_pools[r], seq.seq_id, n), t_load[r], r))
+            r in self.targets_down, not self.target_pools[r].can_allocate_slots(seq.seq_id, n), t_load[r], r))
         seq.draft_rank = min(range(len(d_load)), key=lambda r: (r in self.drafts_down, d_load[r], r))
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
 
     def _decide(self) -> Decision:
         """The policy's proposal lengths for the running sequences and for newcomers."""
-        if self.k == 0:
+        if self.num_speculative_tokens == 0:
             return Decision([0] * len(self.running))
-        view = PolicyView(seq_ids=[s.seq_id for s in self.running], caps=[self.cap(s) for s in self.running],
+        view = PolicyView(seq_ids=[s.seq_id for s in self.running],
+                          proposal_limits=[self.proposal_limit(s) for s in self.running],
                           fed_tokens=sum(s.num_tokens - s.target_computed for s in self.running),
-                          batch_size=self._reachable_batch(), lookahead=self.k)
+                          batch_size=self._reachable_batch())
         decision = self.policy.decide(view)
         if len(decision.proposal_lens) != len(self.running) or any(
-                not 0 <= k <= c for k, c in zip(decision.proposal_lens, view.caps)):
-            raise ValueError(f"policy decided proposal_lens {decision.proposal_lens} for caps {view.caps}")
-        if decision.min_reach and len(decision.min_reach) != len(self.running):
-            raise ValueError(f"policy decided {len(decision.min_reach)} floors for {len(self.running)} sequences")
+                not 0 <= k <= limit for k, limit in zip(decision.proposal_lens, view.proposal_limits)):
+            raise ValueError(f"policy decided proposal_lens {decision.proposal_lens} for limits "
+                             f"{view.proposal_limits}")
         return decision
 
     def _reachable_batch(self) -> int:
         """The batch this step may reach once the waiting requests are admitted."""
-        return min(len(self.running) + len(self.waiting), self.config.cache.max_num_seqs)
+        return min(len(self.running) + len(self.waiting), self.cache.max_num_seqs)
 
     def schedule(self) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
@@ -199,7 +187,6 @@ class Scheduler:
         self._draft_slots.clear()
         decision = self._decide()
         planned = dict(zip((s.seq_id for s in self.running), decision.proposal_lens))
-        floors = dict(zip((s.seq_id for s in self.running), decision.min_reach))
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
@@ -217,7 +204,7 @@ class Scheduler:
             if k is not None:
                 batch.append((seq, k))
 
-        budget = self.config.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
+        budget = self.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
         t_load = [0] * len(self.target_pools)
         d_load = [0] * max(self.num_draft_ranks, 1)
         for s in self.running:
@@ -225,7 +212,7 @@ class Scheduler:
             d_load[s.draft_rank] += s.num_tokens
         # No admissions in a step that had to preempt (that would thrash), unless nothing
         # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
-        while self.waiting and not (preempted and batch) and len(batch) < self.config.cache.max_num_seqs:
+        while self.waiting and not (preempted and batch) and len(batch) < self.cache.max_num_seqs:
             seq = self.waiting[0]
             cost = seq.num_tokens - seq.target_computed
             if batch and cost > budget:
@@ -233,15 +220,13 @@ class Scheduler:
             self._place(seq, t_load, d_load)
             if seq.target_rank in self.targets_down:
                 break   # every target worker is down: wait for one to come back
-            k = self._reserve(seq, min(self.cap(seq), decision.newcomer_len))
+            k = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
             if k is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, k))
-            if decision.newcomer_min_reach:
-                floors[seq.seq_id] = decision.newcomer_min_reach
             budget -= cost
 
         if not batch:
@@ -251,51 +236,42 @@ class Scheduler:
                 raise RuntimeError(f"KV pool too small: request {seq.request_id} needs "
                                    f"{pool.blocks_needed(seq.num_tokens)} blocks, the pool has {pool.num_blocks}")
             return None
-        return self._build(batch, floors, decision.reach_map)
+        return self._build(batch)
 
-    def _build(self, batch: list[tuple[Sequence, int]], floors: dict[int, float],
-               reach_map: list[float]) -> ScheduledStep:
+    def _build(self, batch: list[tuple[Sequence, int]]) -> ScheduledStep:
         self._step_id += 1
         sid = self._step_id
         t_plans: list[StepPlan | None] = [None] * len(self.target_pools)
         t_seqs: list[list[Sequence]] = [[] for _ in self.target_pools]
         d_plans: list[StepPlan | None] = [None] * self.num_draft_ranks
         d_seqs: list[list[Sequence]] = [[] for _ in range(self.num_draft_ranks)]
-        # Every plan of a step shares one k (proposals and draft probabilities are [n, k]
-        # grids): the longest proposal this step, not the configured k. A step where
-        # nobody proposes then scores one row per sequence, as plain decoding does,
-        # instead of k + 1.
-        k_step = max((k for _, k in batch), default=0)
+        # Every plan of a step shares one width (proposals and draft probabilities are
+        # [n, width] grids): the longest proposal_len this step, not num_speculative_tokens.
+        # A step where nobody proposes then scores one row per sequence, as plain decoding
+        # does, instead of k + 1.
+        width = max((k for _, k in batch), default=0)
         for seq, k in batch:
             seq.step_len = n = seq.num_tokens
             seq.proposal_len = k
             t = seq.target_rank
             if t_plans[t] is None:
-                t_plans[t] = StepPlan(step_id=sid, k=k_step)
+                t_plans[t] = StepPlan(step_id=sid, width=width)
             _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
             t_seqs[t].append(seq)
             if k:
                 d = seq.draft_rank
                 if d_plans[d] is None:
-                    d_plans[d] = StepPlan(step_id=sid, k=k_step)
+                    d_plans[d] = StepPlan(step_id=sid, width=width)
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 _add_seq(d_plans[d], seq, seq.draft_computed, self._draft_slots.pop(seq.seq_id, n + k - 1), k)
                 d_seqs[d].append(seq)
-        # Floors under which a draft stops proposing early (StepPlan.min_reach); a single
-        # proposal has nothing to stop early.
-        floors = {s.seq_id: floors.get(s.seq_id, 0.0) for s, k in batch if k > 1}
-        if any(floors.values()) and any(d_plans):
-            for plan in d_plans:
-                if plan is not None:
-                    plan.min_reach = [floors.get(sid, 0.0) for sid in plan.seq_ids]
-                    plan.reach_map = list(reach_map)
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):
                 if not pending:
                     continue
                 if plans[r] is None:
-                    plans[r] = StepPlan(step_id=sid, k=k_step)
+                    plans[r] = StepPlan(step_id=sid, width=width)
                 plans[r].free_seq_ids = pending
                 frees[r] = []
         return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)
@@ -331,94 +307,34 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------
     def update(self, outcome: StepOutcome) -> list[tuple[Sequence, list[int]]]:
-        """Apply a step's outcome: lost workers first, then every target worker's verdict
-        (``outcome.results`` aligned with the step's target plans). Returns (sequence,
-        newly appended tokens) for every sequence verified. Finished sequences are released."""
-        step = outcome.step
+        """Apply a step's outcome: every verdict (``Sequence.apply``), then the lost
+        workers; the stats and the policy read the same outcome. Returns (sequence, tokens
+        appended) per verdict. Finished sequences are released."""
+        in_step = {s.seq_id: s for s in outcome.step.seqs}
+        out = []
+        for v in outcome.verdicts:
+            seq = in_step.pop(v.seq_id, None)
+            if seq is None:
+                raise ValueError(f"a verdict for sequence {v.seq_id}, which is not in step {outcome.step.step_id} "
+                                 "(or has two)")
+            out.append((seq, seq.apply(v, self.max_model_len)))
         for r in sorted(outcome.lost_drafts):
             self.draft_lost(r)
         for r in sorted(outcome.lost_targets):
             self.target_lost(r)
-        results = outcome.results
-        for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
-            if r in outcome.lost_targets or not seqs:
-                continue
-            res = results[r] if r < len(results) else None
-            if (res is None or list(res.seq_ids) != [s.seq_id for s in seqs]
-                    or len(res.num_emitted) != len(seqs) or sum(res.num_emitted) != len(res.token_ids)):
-                raise ValueError(f"StepResult of target worker {r} does not match its batch")
-            for i, (seq, n_emit) in enumerate(zip(seqs, res.num_emitted)):
-                proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-                if not 1 <= n_emit <= proposed + 1:
-                    raise ValueError(f"sequence {seq.seq_id} emitted {n_emit} tokens for {proposed} proposals")
-        out = []
-        verdicts: list[SequenceOutcome] = []
-        target_fed = 0
-        for r, (plan, seqs) in enumerate(zip(step.target_plans, step.target_seqs)):
-            if not seqs or r in outcome.lost_targets:
-                continue
-            res = results[r]
-            target_fed += sum(plan.num_new)
-            pos = 0
-            for i, seq in enumerate(seqs):
-                n_emit = res.num_emitted[i]
-                emitted = res.token_ids[pos:pos + n_emit]
-                pos += n_emit
-                proposed = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-                n_acc = n_emit - 1
-                L = seq.step_len
-                seq.target_computed = L + n_acc
-                if seq.draft_rank in outcome.lost_drafts:
-                    seq.draft_computed = 0
-                elif seq.proposal_len:
-                    # The draft cached its fed tokens and all its proposals but the last.
-                    seq.draft_computed = L + min(n_acc, max(proposed - 1, 0))
-                seq.num_draft_tokens += proposed
-                seq.num_accepted_tokens += n_acc
-                if self.k:
-                    self.stats.record_positions(proposed, n_acc)
-                confidence = outcome.confidence.get(seq.seq_id)
-                if confidence is not None:
-                    self.stats.num_stopped_proposals += seq.proposal_len - proposed
-                out.append((seq, self._append(seq, emitted)))
-                verdicts.append(SequenceOutcome(seq.seq_id, proposed, n_acc, confidence, seq.finished))
-        emitted_total = sum(v.accepted + 1 for v in verdicts)
-        drafted = sum(v.proposed for v in verdicts)
-        stats = self.stats
-        stats.schedule_s += outcome.schedule_s
-        stats.record_phases(outcome.draft_s, outcome.verify_s, outcome.merge_s, outcome.draft_compute_s,
-                            outcome.verify_compute_s)
-        stats.record_overlap(outcome.predrafted, outcome.predraft_used, outcome.predraft_dropped,
-                             outcome.draft_hidden_s)
-        stats.record_step(len(out), emitted_total, drafted, sum(v.accepted for v in verdicts), outcome.step_s)
-        if self.k:
-            dplans = [p for p in step.draft_plans if p is not None]
-            self.policy.observe(PolicyOutcome(
-                verdicts, target_fed=target_fed, draft_fed=sum(sum(p.num_new) for p in dplans),
-                num_drafting=sum(len(p.seq_ids) for p in dplans), emitted=emitted_total, draft_s=outcome.draft_s,
-                verify_s=outcome.verify_s, step_s=outcome.step_s,
-                lost_workers=bool(outcome.lost_drafts or outcome.lost_targets)))
-        stats.record_speculation(sum(s.proposal_len for s, _ in out), len(out), self.k)
+        # Every sequence on a worker that answered has its verdict; the rest were preempted.
+        missing = [sid for sid, s in in_step.items() if s.status is SequenceStatus.RUNNING]
+        if missing:
+            raise ValueError(f"step {outcome.step.step_id} has no verdict for sequences {missing}")
+        self.stats.record(outcome)
+        if self.num_speculative_tokens:
+            self.policy.observe(outcome)
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)
                 self._release(seq)
-                stats.num_requests_finished += 1
+                self.stats.num_requests_finished += 1
         return out
-
-    def _append(self, seq: Sequence, emitted: list[int]) -> list[int]:
-        appended = []
-        for t in emitted:
-            seq.tokens.append(t)
-            appended.append(t)
-            if t in seq.stop_ids:
-                seq.finish_reason = "stop"
-            elif seq.output_len >= seq.params.max_tokens or seq.num_tokens >= self.config.target_max_len:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                seq.status = SequenceStatus.FINISHED
-                break
-        return appended
 
     def abort_all(self, reason: str) -> list[Sequence]:
         """Fail every unfinished sequence (used when no worker can serve them)."""
@@ -430,8 +346,6 @@ class Scheduler:
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
-        if self.k and seqs:
-            self.policy.observe(PolicyOutcome([], forgotten=[s.seq_id for s in seqs]))
         return seqs
 
     def check_integrity(self) -> None:
@@ -448,25 +362,14 @@ def _as_list(pools) -> list[BlockManager]:
     return list(pools) if isinstance(pools, (list, tuple)) else [pools]
 
 
-def _fits(bm: BlockManager, seq_id: int, slots: int) -> bool:
-    # Shrinking always fits; growth needs the missing blocks free.
-    return bm.blocks_needed(slots) - len(bm.block_table(seq_id)) <= bm.num_free_blocks
-
-
-def _resize(bm: BlockManager, seq_id: int, slots: int) -> None:
-    bm.truncate(seq_id, slots)
-    if not bm.allocate(seq_id, slots):
-        raise AssertionError("allocation failed after a fit check")
-
-
-def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, k: int) -> None:
+def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int) -> None:
     p = seq.params
     plan.seq_ids.append(seq.seq_id)
     plan.num_computed.append(computed)
     plan.num_new.append(seq.num_tokens - computed)
     plan.token_ids.extend(seq.tokens[computed:])
     plan.num_slots.append(slots)
-    plan.proposal_lens.append(k)
+    plan.proposal_lens.append(proposal_len)
     plan.temperature.append(p.temperature)
     plan.top_k.append(p.top_k)
     plan.top_p.append(p.top_p)

@@ -1,19 +1,16 @@
-"""Per-request decoding state, as the driver sees it.
-
-Glossary:
-- ``tokens``: prompt followed by every token emitted so far.
-- ``target_computed`` / ``draft_computed``: how many leading ``tokens`` are in that
-  worker's KV cache (the ``num_computed`` invariant). A step feeds each worker
-  ``tokens[computed:]``; preemption or a restarted worker simply sets it to 0.
-- ``proposal_len`` (k_i): draft tokens proposed for this sequence in the current step.
-"""
+"""Per-request decoding state, as the driver sees it, and the token accounting of a
+verified step (``Sequence.apply``). The words are ``specray.scheduler``'s glossary."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specray.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specray.scheduler.step import Verdict
 
 
 class SequenceStatus(enum.Enum):
@@ -27,17 +24,17 @@ class Sequence:
     seq_id: int
     request_id: str
     prompt_len: int
-    tokens: list[int]
+    tokens: list[int]            # the prompt, then every token emitted so far
     params: SamplingParams
     seed: int
     status: SequenceStatus = SequenceStatus.WAITING
-    target_computed: int = 0
-    draft_computed: int = 0
+    target_computed: int = 0     # num_computed on its target worker
+    draft_computed: int = 0      # num_computed on its draft worker
     finish_reason: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
-    # Set while a step is in flight: the length before the step and the planned k_i.
+    # Set while a step is in flight: its length before the step, and its proposal_len.
     step_len: int = 0
     proposal_len: int = 0
     # Which target / draft worker holds this sequence's KV (sticky while it runs).
@@ -68,3 +65,33 @@ class Sequence:
     def reset_computed(self) -> None:
         self.target_computed = 0
         self.draft_computed = 0
+
+    def apply(self, verdict: Verdict, max_model_len: int) -> list[int]:
+        """A verified step's token accounting; returns the tokens appended (the verdict's,
+        up to a stop). The rules, for a sequence of ``step_len`` tokens before the step:
+
+        - its target cached the fed tokens and every proposal; of those the accepted ones
+          hold: ``target_computed = step_len + accepted``;
+        - its draft, if it drafted, cached the fed tokens and each proposal but the last
+          (the pass after it never ran): ``draft_computed = step_len + min(accepted,
+          proposed - 1)``;
+        - its emitted tokens are appended until a stop token, ``max_tokens`` or
+          ``max_model_len`` ends it.
+        """
+        self.target_computed = self.step_len + verdict.accepted
+        if self.proposal_len:
+            self.draft_computed = self.step_len + min(verdict.accepted, max(verdict.proposed - 1, 0))
+        self.num_draft_tokens += verdict.proposed
+        self.num_accepted_tokens += verdict.accepted
+        appended = []
+        for t in verdict.tokens:
+            self.tokens.append(t)
+            appended.append(t)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.output_len >= self.params.max_tokens or self.num_tokens >= max_model_len:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                self.status = SequenceStatus.FINISHED
+                break
+        return appended

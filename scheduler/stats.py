@@ -1,14 +1,19 @@
-"""Counters behind ``SpecRuntime.metrics()``, accumulated over the runtime's life."""
+"""Counters behind ``SpecRuntime.metrics()``, accumulated over the runtime's life from
+each step's outcome (``record``): the verdicts the scheduler applied, the phase times."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specray.scheduler.step import StepOutcome
 
 
 @dataclass
 class SpecStats:
-    k: int                           # the widest step's (a request alone may reach past num_speculative_tokens)
+    num_speculative_tokens: int
     num_steps: int = 0
     num_seq_steps: int = 0           # one per sequence per step
     num_emitted_tokens: int = 0      # accepted + the target's own token, per sequence-step
@@ -24,28 +29,50 @@ class SpecStats:
     merge_s: float = 0.0             # merging proposals into the target plans
     num_draft_calls: int = 0
     schedule_s: float = 0.0
-    num_spec_off_steps: int = 0      # steps in which no sequence proposed (k > 0 configured)
-    num_stopped_proposals: int = 0   # planned proposals a draft did not make: it stopped early
+    num_spec_off_steps: int = 0      # steps in which no sequence proposed (with a proposer)
     num_draft_worker_failures: int = 0
     num_target_worker_failures: int = 0
     num_predrafted_windows: int = 0  # overlap: windows drafted ahead while the target verified
     num_predraft_windows_used: int = 0
     num_predraft_windows_dropped: int = 0
     draft_hidden_s: float = 0.0      # the pre-drafts' draft time that ran behind verification
-    last_mean_k: float = 0.0
+    last_mean_proposal_len: float = 0.0
     proposed_at: list[int] = field(default_factory=list)    # per proposal position
     accepted_at: list[int] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
 
-    def record_step(self, seq_steps: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
+    def record(self, outcome: StepOutcome) -> None:
+        """One step: its verdicts, what the scheduler planned, and where its time went."""
         self.num_steps += 1
-        self.num_seq_steps += seq_steps
-        self.num_emitted_tokens += emitted
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        self.busy_s += seconds
+        self.num_seq_steps += len(outcome.verdicts)
+        self.num_emitted_tokens += outcome.emitted
+        self.num_draft_tokens += outcome.proposed
+        self.num_accepted_tokens += outcome.accepted
+        if self.num_speculative_tokens:
+            for v in outcome.verdicts:
+                self._record_positions(v.proposed, v.accepted)
+        planned = sum(s.proposal_len for s in outcome.step.seqs)
+        self.last_mean_proposal_len = planned / len(outcome.step.seqs) if outcome.step.seqs else 0.0
+        if self.num_speculative_tokens and planned == 0:
+            self.num_spec_off_steps += 1
+        t = outcome.times
+        self.busy_s += t.step_s
+        self.schedule_s += t.schedule_s
+        if t.draft_s is not None:
+            self.draft_s += t.draft_s
+            self.draft_compute_s += min(t.draft_compute_s, t.draft_s)
+            self.num_draft_calls += 1
+        self.verify_s += t.verify_s
+        # A worker's clock may run past the driver's by a hair; messaging is never negative.
+        self.verify_compute_s += min(t.verify_compute_s, t.verify_s)
+        self.merge_s += t.merge_s
+        o = outcome.overlap
+        self.num_predrafted_windows += o.predrafted
+        self.num_predraft_windows_used += o.used
+        self.num_predraft_windows_dropped += o.dropped
+        self.draft_hidden_s += o.hidden_s
 
-    def record_positions(self, proposed: int, accepted: int) -> None:
+    def _record_positions(self, proposed: int, accepted: int) -> None:
         if len(self.proposed_at) < proposed:
             grow = proposed - len(self.proposed_at)
             self.proposed_at += [0] * grow
@@ -54,28 +81,6 @@ class SpecStats:
             self.proposed_at[j] += 1
             if j < accepted:
                 self.accepted_at[j] += 1
-
-    def record_overlap(self, predrafted: int, used: int, dropped: int, hidden_s: float) -> None:
-        self.num_predrafted_windows += predrafted
-        self.num_predraft_windows_used += used
-        self.num_predraft_windows_dropped += dropped
-        self.draft_hidden_s += hidden_s
-
-    def record_speculation(self, sum_k: int, num_seqs: int, k: int) -> None:
-        self.last_mean_k = sum_k / num_seqs if num_seqs else 0.0
-        if k and sum_k == 0:
-            self.num_spec_off_steps += 1
-
-    def record_phases(self, draft_s: float | None, verify_s: float, merge_s: float = 0.0,
-                      draft_compute_s: float = 0.0, verify_compute_s: float = 0.0) -> None:
-        if draft_s is not None:
-            self.draft_s += draft_s
-            self.draft_compute_s += min(draft_compute_s, draft_s)
-            self.num_draft_calls += 1
-        self.verify_s += verify_s
-        # A worker's clock may run past the driver's by a hair; messaging is never negative.
-        self.verify_compute_s += min(verify_compute_s, verify_s)
-        self.merge_s += merge_s
 
     def as_dict(self) -> dict:
         d = self.num_draft_tokens
@@ -86,7 +91,7 @@ class SpecStats:
         return {
             "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
             "mean_accepted_length": self.num_emitted_tokens / s if s else 0.0,
-            "system_efficiency": self.num_emitted_tokens / (s * (self.k + 1)) if s else 0.0,
+            "system_efficiency": self.num_emitted_tokens / (s * (self.num_speculative_tokens + 1)) if s else 0.0,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens,
@@ -115,10 +120,9 @@ class SpecStats:
             # Of the draft's compute, the share that ran while the target verified.
             "draft_hidden_fraction": (self.draft_hidden_s / (self.draft_hidden_s + self.draft_compute_s)
                                       if self.draft_hidden_s + self.draft_compute_s else 0.0),
-            "num_stopped_proposals": self.num_stopped_proposals,
             "num_draft_worker_failures": self.num_draft_worker_failures,
             "num_target_worker_failures": self.num_target_worker_failures,
-            "mean_k": self.last_mean_k,
+            "mean_proposal_len": self.last_mean_proposal_len,
             "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
             "mean_step_s": self.busy_s / steps if steps else 0.0,
             "mean_draft_s": self.draft_s / self.num_draft_calls if self.num_draft_calls else 0.0,

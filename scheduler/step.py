@@ -1,5 +1,7 @@
-"""A step as data: what the scheduler plans (``ScheduledStep``) and what the engine brings
-back (``StepOutcome``), the one way back into the scheduler (``Scheduler.update``)."""
+"""A step as data: what the scheduler plans (``ScheduledStep``), what the target's
+verification says of each sequence (``Verdict``), and what the engine brings back
+(``StepOutcome``), the one way back into the scheduler (``Scheduler.update``), its stats
+and its policy."""
 
 from __future__ import annotations
 
@@ -18,19 +20,55 @@ class ScheduledStep:
     draft_plans: list[StepPlan | None] = field(default_factory=list)   # per draft worker
     draft_seqs: list[list[Sequence]] = field(default_factory=list)
 
+    @property
+    def target_fed(self) -> int:
+        """Tokens the step feeds the target besides proposals."""
+        return sum(sum(p.num_new) for p in self.target_plans if p is not None)
+
+    @property
+    def draft_fed(self) -> int:
+        """Tokens fed to the drafts before their passes (catch-up included)."""
+        return sum(sum(p.num_new) for p in self.draft_plans if p is not None)
+
+    @property
+    def num_drafting(self) -> int:
+        return sum(len(p.seq_ids) for p in self.draft_plans if p is not None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One sequence's step, as the target verified it: ``proposed`` proposals verified
+    (at most its ``proposal_len``: a proposer may find fewer), ``accepted`` of them kept,
+    and the ``tokens`` emitted (the accepted ones and the target's own next token)."""
+
+    seq_id: int
+    proposed: int
+    accepted: int
+    tokens: tuple[int, ...]
+
+
+def verdicts(plan: StepPlan, result: StepResult) -> list[Verdict]:
+    """The target worker's result for ``plan`` as verdicts, checked against the plan: one
+    per planned sequence, in plan order, none verifying more than it proposed."""
+    if list(result.seq_ids) != list(plan.seq_ids):
+        raise ValueError(f"StepResult of step {plan.step_id} answers sequences {list(result.seq_ids)}, "
+                         f"the plan sent {list(plan.seq_ids)}")
+    result.validate()
+    out, pos = [], 0
+    for i, sid in enumerate(plan.seq_ids):
+        proposed, emitted = result.num_proposed[i], result.num_emitted[i]
+        if proposed > plan.proposal_lens[i]:
+            raise ValueError(f"sequence {sid} verified {proposed} proposals, {plan.proposal_lens[i]} were sent")
+        out.append(Verdict(sid, proposed, emitted - 1, tuple(result.token_ids[pos:pos + emitted])))
+        pos += emitted
+    return out
+
 
 @dataclass
-class StepOutcome:
-    """Everything one step produced. The target plans carry the proposals merged into
-    them (``StepPlan.proposal_token_ids`` / ``proposal_lens``: what the drafts made)."""
+class StepTimes:
+    """Where one step's time went (s): the driver's wall clock per phase, and the slowest
+    worker's own compute in each call."""
 
-    step: ScheduledStep
-    results: list[StepResult | None]              # per target worker; None where it had no plan or died
-    lost_drafts: set[int] = field(default_factory=set)    # draft workers that failed in this step
-    lost_targets: set[int] = field(default_factory=set)   # target workers that failed in this step
-    # seq id -> the draft's probability of each of its proposals (drafts that stop early)
-    confidence: dict[int, list[float]] = field(default_factory=dict)
-    # Phase times (s): the driver's wall clock per phase, and the slowest worker's own compute.
     schedule_s: float = 0.0
     draft_s: float | None = None                  # None: no draft call this step
     merge_s: float = 0.0
@@ -38,9 +76,47 @@ class StepOutcome:
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
     step_s: float = 0.0                           # the whole step up to its update
-    # Overlap: sequence windows pre-drafted for the next step, pre-drafted windows this
-    # step used and dropped, and the pre-drafts' draft time hidden behind verification.
+
+
+@dataclass
+class OverlapCounts:
+    """Pre-drafting in one step: windows drafted ahead for the next step, pre-drafted
+    windows this step used and dropped, and the pre-drafts' draft time hidden behind
+    verification."""
+
     predrafted: int = 0
-    predraft_used: int = 0
-    predraft_dropped: int = 0
-    draft_hidden_s: float = 0.0
+    used: int = 0
+    dropped: int = 0
+    hidden_s: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    step: ScheduledStep
+    verdicts: list[Verdict] = field(default_factory=list)   # every sequence the target verified
+    lost_drafts: set[int] = field(default_factory=set)    # draft workers that failed in this step
+    lost_targets: set[int] = field(default_factory=set)   # target workers that failed in this step
+    times: StepTimes = field(default_factory=StepTimes)
+    overlap: OverlapCounts = field(default_factory=OverlapCounts)
+
+    @property
+    def emitted(self) -> int:
+        return sum(len(v.tokens) for v in self.verdicts)
+
+    @property
+    def proposed(self) -> int:
+        return sum(v.proposed for v in self.verdicts)
+
+    @property
+    def accepted(self) -> int:
+        return sum(v.accepted for v in self.verdicts)
+
+    @property
+    def longest(self) -> int:
+        """The most any sequence proposed: the passes the drafts made."""
+        return max((v.proposed for v in self.verdicts), default=0)
+
+    @property
+    def lost_workers(self) -> bool:
+        """A worker failed in this step: its times mean little."""
+        return bool(self.lost_drafts or self.lost_targets)

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -36,9 +35,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # The split lives with the benchmark's prompt source, which must agree with it.
-from specray.stdlib_corpus import (  # noqa: E402, F401 (re-exported for callers and tests)
+from specray.runtime.stdlib_corpus import (  # noqa: F401 (re-exported for callers and tests)
     EVAL_EVERY, SKIP_DIRS, SKIP_FILE_PREFIXES, default_stdlib_dir, list_source_files, split_files)
 
 # --------------------------------------------------------------------------

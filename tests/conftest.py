@@ -6,16 +6,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from specray_testing import free_port, make_pair, stop_ray_head  # noqa: E402
+from specray_testing import free_port, make_pair, stop_ray_head
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

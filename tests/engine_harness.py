@@ -25,19 +25,19 @@ trusts what it held fails the ``num_computed`` check above.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specray.engine import Engine, WorkerLost
+from specray.runtime.engine import Engine
+from specray.runtime.worker_call import WorkerLost
 from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.config import CacheConfig
+from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
-from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import SpeculationPolicy, StaticPolicy
-from specray.scheduler.step import ScheduledStep, StepOutcome
+from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict
 
 V = 97
 
@@ -119,12 +119,14 @@ class FakeWorker:
             cache.extend(plan.token_ids[pos:pos + m])
             pos += m
             assert cache == truth[sid], f"{self.name}: seq {sid} fed tokens do not complete its history"
-            assert c <= self.blocks.num_slots(sid), f"{self.name}: seq {sid} has fewer slots than computed"
-            self.blocks.truncate(sid, slots)
-            assert self.blocks.allocate(sid, slots), f"{self.name}: worker pool out of blocks"
+            assert c <= self.num_slots(sid), f"{self.name}: seq {sid} has fewer slots than computed"
+            assert self.blocks.allocate_slots(sid, slots), f"{self.name}: worker pool out of blocks"
             histories.append(list(cache))
         self.blocks.check_integrity()
         return histories
+
+    def num_slots(self, seq_id: int) -> int:
+        return len(self.blocks.block_table(seq_id)) * self.blocks.block_size
 
 
 @dataclass
@@ -201,7 +203,7 @@ class Harness:
     finished: dict[int, Sequence] = field(default_factory=dict)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     steps: list[ScheduledStep] = field(default_factory=list)     # kept when keep_steps
-    results: list[list[StepResult | None]] = field(default_factory=list)
+    verdicts: list[list[Verdict]] = field(default_factory=list)     # kept when keep_steps
     on_step: Callable[[ScheduledStep], None] | None = None
     on_plan: Callable[[ScheduledStep], None] | None = None
     keep_steps: bool = False
@@ -327,7 +329,7 @@ class Harness:
             self.on_step(step)
         if self.keep_steps:
             self.steps.append(step)
-            self.results.append(outcome.results)
+            self.verdicts.append(list(outcome.verdicts))
         return out
 
     def step(self) -> bool:
@@ -342,15 +344,15 @@ class Harness:
     def run_step(self, step: ScheduledStep) -> StepOutcome:
         """The engine's phases for a step scheduled outside ``step`` (no checks, no update)."""
         self._truth, self._proposed, self._prob_rows = self.truth(step), {}, []
-        outcome = StepOutcome(step, [None] * len(step.target_plans))
-        self.engine.verify(step, self.engine.propose(step, outcome), outcome)
+        outcome = StepOutcome(step)
+        outcome.verdicts = self.engine.verify(step, self.engine.propose(step, outcome), outcome)
         return outcome
 
     def check_plan_shape(self, step: ScheduledStep, before_running: list[tuple[Sequence, int, int, int]],
                          before_waiting: set[int]) -> None:
         sched = self.sched
         T, D = len(sched.target_pools), sched.num_draft_ranks
-        step_k = max((s.proposal_len for s in step.seqs), default=0)
+        width = max((s.proposal_len for s in step.seqs), default=0)
         assert len(step.target_plans) == len(step.target_seqs) == T
         assert len(step.draft_plans) == len(step.draft_seqs) == D
         ids = [s.seq_id for s in step.seqs]
@@ -425,8 +427,9 @@ class Harness:
             if not seqs and not frees:
                 assert plan is None, f"target rank {r} got a plan with nothing in it"
                 continue
-            # One k for the whole step: its longest proposal.
-            assert plan is not None and plan.step_id == step.step_id and plan.k == step_k <= sched.k
+            # One width for the whole step: its longest proposal.
+            assert plan is not None and plan.step_id == step.step_id
+            assert plan.width == width <= sched.num_speculative_tokens
             assert sorted(plan.free_seq_ids) == sorted(frees), f"target rank {r} frees"
             frees.clear()
             assert plan.seq_ids == [s.seq_id for s in seqs]
@@ -445,7 +448,7 @@ class Harness:
             if not seqs and not frees:
                 assert plan is None, f"draft rank {d} got a plan with nothing in it"
                 continue
-            assert plan is not None and plan.step_id == step.step_id and plan.k == step_k
+            assert plan is not None and plan.step_id == step.step_id and plan.width == width
             assert sorted(plan.free_seq_ids) == sorted(frees), f"draft rank {d} frees"
             frees.clear()
             assert plan.seq_ids == [s.seq_id for s in seqs]
@@ -482,72 +485,63 @@ class Harness:
                 assert len(mirror.block_table(sid)) == len(worker.blocks.block_table(sid))
 
     def propose(self, d: int, plan: StepPlan) -> tuple[Proposals, list[int] | None]:
-        """Draft rank ``d``'s call: the true next tokens, wrong where ``draft_wrong`` says,
-        stopping like DraftWorker below its floor. The probabilities "handle" is the list
-        of its sequence ids, so the target side can check the merge's draft_rows."""
+        """Draft rank ``d``'s call: the true next tokens, wrong where ``draft_wrong`` says.
+        The probabilities "handle" is the list of its sequence ids, so the target side can
+        check the merge's draft_rows."""
         plan = roundtrip(plan)
-        k = plan.k
+        width = plan.width
         worker = self.drafts[d]
         histories = worker.apply(plan, self._truth)
-        rows, confidence = [], {}
+        rows = []
         for i, sid in enumerate(plan.seq_ids):
-            k_i = plan.proposal_lens[i]
+            n = plan.proposal_lens[i]
             if self.shorten is not None:
-                k_i = self.shorten(sid, len(histories[i]), k_i)
-                assert 0 <= k_i <= plan.proposal_lens[i]
+                n = self.shorten(sid, len(histories[i]), n)
+                assert 0 <= n <= plan.proposal_lens[i]
             hist = histories[i]
-            props, conf = [], []
-            for _ in range(k_i):
+            props = []
+            for _ in range(n):
                 t = true_next(hist + props)
-                wrong = self.draft_wrong(sid, len(hist) + len(props))
-                if wrong:
+                if self.draft_wrong(sid, len(hist) + len(props)):
                     t = (t + 1) % V
                 props.append(t)
-                # A well-informed fake draft: unsure exactly where it is wrong. Like
-                # DraftWorker it stops once the product falls below its floor.
-                conf.append(0.3 if wrong else 0.9)
-                if plan.min_reach and math.prod(conf) < plan.min_reach[i]:
-                    break
-            if plan.min_reach:
-                confidence[sid] = conf
-            # the draft ran its first k_i - 1 proposals through the model: they are in its KV
+            # the draft ran its first n - 1 proposals through the model: they are in its KV
             worker.cache[sid].extend(props[:len(props) - 1])
-            assert len(worker.cache[sid]) <= worker.blocks.num_slots(sid)
+            assert len(worker.cache[sid]) <= worker.num_slots(sid)
             rows.append((sid, props))
             self._proposed[sid] = props
         if plan.num_seqs:
             self.counts.draft_calls += 1
-        toks = [t for _, p in rows for t in p + [-1] * (k - len(p))]
-        conf = [c for sid, p in rows for c in confidence[sid] + [0.0] * (k - len(p))] if confidence else []
+        toks = [t for _, p in rows for t in p + [-1] * (width - len(p))]
         has_probs = self.probs and d % 2 == 0
-        shard = Proposals(step_id=plan.step_id, k=k, has_probs=has_probs, seq_ids=[s for s, _ in rows],
-                          proposal_lens=[len(p) for _, p in rows], token_ids=toks, confidence=conf)
+        shard = Proposals(step_id=plan.step_id, width=width, has_probs=has_probs, seq_ids=[s for s, _ in rows],
+                          proposal_lens=[len(p) for _, p in rows], token_ids=toks)
         return decode(encode(shard), expected=Proposals), (list(shard.seq_ids) if has_probs else None)
 
     def verify(self, r: int, plan: StepPlan, probs: list) -> StepResult:
         """Target rank ``r``'s call: checks the merged proposals against what the drafts
         proposed, then accepts while they match the true next token."""
         plan = roundtrip(plan)
-        k = plan.k
+        width = plan.width
         prob_rows = [sid for rows in probs for sid in rows]
         if plan.proposal_token_ids:
             for i, sid in enumerate(plan.seq_ids):
                 props = self._proposed.get(sid, [])
                 assert plan.proposal_lens[i] == len(props)
-                assert plan.proposal_token_ids[i * k:(i + 1) * k] == props + [-1] * (k - len(props))
+                assert plan.proposal_token_ids[i * width:(i + 1) * width] == props + [-1] * (width - len(props))
                 if plan.draft_rows[i] != -1:
                     assert props and prob_rows[plan.draft_rows[i]] == sid
                 else:
                     assert not props or sid not in prob_rows
         worker = self.targets[r]
         histories = worker.apply(plan, self._truth)
-        num_emitted, token_ids = [], []
+        num_proposed, num_emitted, token_ids = [], [], []
         for i, sid in enumerate(plan.seq_ids):
-            k_i = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-            props = plan.proposal_token_ids[i * k:i * k + k_i]
+            n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+            props = plan.proposal_token_ids[i * width:i * width + n]
             assert -1 not in props
             worker.cache[sid].extend(props)
-            assert len(worker.cache[sid]) <= worker.blocks.num_slots(sid)
+            assert len(worker.cache[sid]) <= worker.num_slots(sid)
             hist = histories[i]
             out: list[int] = []
             for p in props:
@@ -557,14 +551,15 @@ class Harness:
                     break
             else:
                 out.append(true_next(hist + out))   # every proposal accepted: bonus token
+            num_proposed.append(n)
             num_emitted.append(len(out))
             token_ids.extend(out)
-            self.counts.drafted += k_i
+            self.counts.drafted += n
             self.counts.accepted += len(out) - 1
             self.counts.emitted += len(out)
         self.counts.seq_steps += plan.num_seqs
-        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_emitted=num_emitted,
-                            token_ids=token_ids)
+        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_proposed=num_proposed,
+                            num_emitted=num_emitted, token_ids=token_ids)
         return decode(encode(result), expected=StepResult)
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -586,17 +581,15 @@ def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = Non
           target_blocks: int | list[int] = 1000, draft_blocks: int | list[int] | None = 1000,
           target_ranks: int = 1, draft_ranks: int = 1, use_proposer: bool = True, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, disable_by_batch_size: int | None = None,
-          policy: SpeculationPolicy | None = None, lookahead: int | None = None) -> Harness:
+          policy: SpeculationPolicy | None = None, overlap: bool = False) -> Harness:
     """A scheduler with ample pools by default; ``draft_blocks=None``: proposers without a KV
     pool (n-gram style). Pool sizes are per rank (an int: the same for every rank). The fake
     workers' pools are the same size as the mirrors. One rank is passed as a bare pool (the
-    single-pool form of the API), several as a list. ``policy``: static k by default;
-    ``lookahead``: the scheduler's max_speculative_tokens (default k)."""
-    lookahead = (k if lookahead is None else lookahead) if use_proposer else 0
-    config = SchedulerConfig(target_max_len=target_max_len, max_speculative_tokens=lookahead,
-                             draft_max_len=draft_max_len,
-                             cache=CacheConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                                               max_num_batched_tokens=max_num_batched_tokens))
+    single-pool form of the API), several as a list. ``policy``: static k by default."""
+    cache = CacheConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens)
+    spec = SpeculationConfig(proposer="draft" if use_proposer and k else "none", num_speculative_tokens=k,
+                             disable_by_batch_size=disable_by_batch_size, overlap=overlap)
     t_sizes = _per_rank(target_blocks, target_ranks)
     tpools = [BlockManager(n, block_size) for n in t_sizes]
     if draft_blocks is None:
@@ -606,9 +599,9 @@ def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = Non
         d_sizes = _per_rank(draft_blocks, draft_ranks)
         dpools = [BlockManager(n, block_size) for n in d_sizes]
         dpools = dpools[0] if len(dpools) == 1 else dpools
-    policy = policy if policy is not None else StaticPolicy(lookahead, disable_by_batch_size)
-    sched = Scheduler(config, tpools[0] if len(tpools) == 1 else tpools, dpools, num_proposers=len(d_sizes),
-                      policy=policy)
+    policy = policy if policy is not None else StaticPolicy(spec)
+    sched = Scheduler(cache, spec, target_max_len, tpools[0] if len(tpools) == 1 else tpools, dpools,
+                      draft_max_len=draft_max_len, num_proposers=len(d_sizes), policy=policy)
     targets = [FakeWorker(f"target{r}", n, block_size) for r, n in enumerate(t_sizes)]
     drafts = [FakeWorker(f"draft{d}", n, block_size) for d, n in enumerate(d_sizes)]
     return Harness(sched, targets, drafts)
@@ -620,7 +613,7 @@ def add_requests(eng: Harness, specs, stop_ids=()) -> dict[int, tuple[list[int],
     for sid, plen, mt in specs:
         prompt = prompt_for(sid, plen)
         eng.sched.add(make_seq(sid, prompt, mt, stop_ids))
-        ref[sid] = reference(prompt, mt, stop_ids, eng.sched.config.target_max_len)
+        ref[sid] = reference(prompt, mt, stop_ids, eng.sched.max_model_len)
     return ref
 
 
@@ -642,14 +635,14 @@ def assert_matches_reference(eng: Harness, ref) -> None:
     assert [sorted(f) for f in s._draft_frees] == [sorted(f) for f in eng._frees_d]
 
 
-def expected_k(cfg: SchedulerConfig, k: int, n: int, remaining: int) -> int:
+def expected_limit(sched: Scheduler, k: int, n: int, remaining: int) -> int:
     """The proposal-length rule of DESIGN.md, written out independently."""
     if k == 0:
         return 0
-    k_i = max(0, min(k, remaining - 1, cfg.target_max_len - n - 1))
-    if cfg.draft_max_len is not None and n + k_i > cfg.draft_max_len:
+    limit = max(0, min(k, remaining - 1, sched.max_model_len - n - 1))
+    if sched.draft_max_len is not None and n + limit > sched.draft_max_len:
         return 0
-    return k_i
+    return limit
 
 
 MIXED = [(i, 1 + (7 * i) % 40, 1 + (11 * i) % 45) for i in range(1, 25)]

@@ -3,46 +3,30 @@ an in-process serving run, and starting/stopping test Ray heads by pid."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from pathlib import Path
 
-import pytest
-
-from specray.scheduler.speculation_policy import Decision, PolicyOutcome, PolicyView
-
 ROOT = Path(__file__).resolve().parent.parent
 
-# The adaptive policy is a plug-in: tests that run it through the runtime skip without it.
-needs_adaptive = pytest.mark.skipif(importlib.util.find_spec("specray.scheduler.adaptive") is None,
-                                    reason="the specray.scheduler.adaptive package is not installed")
+
+def worker_configs(target: str, draft: str | None = None, *, block_size: int = 4, num_kv_blocks: int | None = 64,
+                   max_num_seqs: int = 256, **model):
+    """The (ModelConfig, CacheConfig) a worker is built from, for the worker tests: float32
+    on the CPU, a small pool, unless told otherwise."""
+    from specray.scheduler.config import CacheConfig
+    from specray.workers.config import ModelConfig
+
+    model = {"dtype": "float32", "device": "cpu", **model}
+    return (ModelConfig(target=target, draft=draft, **model),
+            CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs))
 
 
-class FixedFloorPolicy:
-    """Proposes every cap within ``k``, like static k, and asks every draft to stop below a
-    fixed floor: the early stop alone is on trial. ``calibration`` (an object with
-    ``observe(confidence, accepted)`` and ``reach_map()``, such as the adaptive policy's
-    ``ConfidenceCalibration``) calibrates the draft's probabilities; None: the reach is the
-    draft's own probability. Every outcome it hears is kept in ``outcomes``."""
+def model_runner(path: str, **kw):
+    """A ModelRunner of one checkpoint, built through the workers' own path."""
+    from specray.workers.model_runner import ModelRunner
 
-    def __init__(self, k: int, floor: float, calibration=None) -> None:
-        self.k = k
-        self.floor = floor
-        self.calibration = calibration
-        self.outcomes: list[PolicyOutcome] = []
-
-    def decide(self, view: PolicyView) -> Decision:
-        reach_map = self.calibration.reach_map() if self.calibration is not None else []
-        return Decision([min(c, self.k) for c in view.caps], newcomer_len=self.k,
-                        min_reach=[self.floor] * len(view.caps), newcomer_min_reach=self.floor, reach_map=reach_map)
-
-    def observe(self, outcome: PolicyOutcome) -> None:
-        self.outcomes.append(outcome)
-        if self.calibration is not None:
-            for s in outcome.sequences:
-                if s.confidence:
-                    self.calibration.observe(s.confidence, s.accepted)
+    return ModelRunner(path, *worker_configs(path, **kw))
 
 
 def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
@@ -222,7 +206,7 @@ def stop_ray_head(proc, tmp: str) -> list[int]:
 def run_local(cfg, prompts, params):
     """Serve one batch on an in-process driver (the whole path but Ray); checks the pools
     are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
-    from specray.driver import DriverCore
+    from specray.runtime.driver import DriverCore
 
     drv = DriverCore(cfg, backend="local")
     try:

@@ -1,5 +1,6 @@
 """The distribution installs one top-level package, ``specray``, holding the repository's
-runtime/, scheduler/ and workers/ folders (no generic ``runtime`` in site-packages)."""
+runtime/, scheduler/ and workers/ folders as subpackages of their own names (no generic
+``runtime`` in site-packages)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ def test_wheel_installs_only_specray(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"specray"}
-    for module in ("specray/__init__.py", "specray/client.py", "specray/scheduler/scheduler.py",
-                   "specray/workers/model_runner.py", "specray/scheduler/adaptive/policy.py"):
+    for module in ("specray/__init__.py", "specray/runtime/client.py", "specray/runtime/bench/run.py",
+                   "specray/scheduler/scheduler.py", "specray/workers/model_runner.py",
+                   "specray/scheduler/adaptive/policy.py"):
         assert module in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "specray = specray.cli:main" in entry
+    assert "specray = specray.runtime.cli:main" in entry
 
 
 def test_public_names_import_without_loading_ray_for_the_scheduler():
@@ -38,7 +40,7 @@ def test_public_names_import_without_loading_ray_for_the_scheduler():
             "from specray import SpecRuntime, RuntimeConfig, SamplingParams, RequestOutput, Overloaded; "
             "print(SpecRuntime.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd="/", check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "specray.client"
+    assert out.stdout.strip() == "specray.runtime.client"
 
 
 def test_an_installed_specray_carries_the_builtin_pair(wheel, tmp_path):

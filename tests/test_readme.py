@@ -33,7 +33,7 @@ def test_the_api_example_runs_from_another_directory(tmp_path):
 
 @pytest.mark.real_model
 def test_the_chat_example_runs(tmp_path):
-    from specray import model_store
+    from specray.runtime import model_store
 
     try:
         model_store.fetch("smollm2")

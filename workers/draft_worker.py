@@ -1,17 +1,9 @@
-"""The draft model: k autoregressive passes per call, inputs kept on the device.
+"""The draft model: ``width`` autoregressive passes per call, inputs kept on the device.
 
-All k passes run inside one ``propose`` call (the seed's TP1DraftModelRunner goal): each
+All passes run inside one ``propose`` call (the seed's TP1DraftModelRunner goal): each
 pass's sampled tokens feed the next pass straight from the device tensor, the host only
 builds position and slot metadata (which it knows in advance), and proposals come back to
-the host once, at the end.
-
-Unless the plan sets ``min_reach``: then each pass also copies the draft's probability
-of each proposal to the host, one small copy per pass, and the host decides which
-sequences go on. A sequence stops once the estimated chance that all its proposals so far
-are accepted (the product of ``reach_map`` at its proposals' draft probabilities) falls
-below its floor: the pass its next proposal needs would cost more than that proposal is
-likely to return. Which sequence stops where depends only on proposals already drawn, so
-the rejection sampler's output stays the target's.
+the host once, at the end. Sequence i makes exactly ``proposal_lens[i]`` proposals.
 
 Vocabulary: the draft may have fewer or more embedding rows than the target (checkpoints
 of one tokenizer padded differently; ``vocabulary`` checks the ids they share agree). It
@@ -20,9 +12,6 @@ so proposals and probabilities come from the distribution restricted to those id
 its probabilities are given over the target's whole vocabulary, zero past its own. A
 token of the sequence that the draft has no row for (the target emitted a padding id) is
 fed to the draft as its token 0: only the quality of its proposals depends on that input.
-
-The reach and the floors stay on the host: a few multiplications per sequence, where
-tensors would cost about ten small ops a pass.
 """
 
 from __future__ import annotations
@@ -32,20 +21,24 @@ from dataclasses import replace
 
 import torch
 
-from specray.scheduler.messages import Predraft, Proposals, StepPlan, decile
+from specray.scheduler.messages import Predraft, Proposals, StepPlan
 from specray.scheduler.predraft import window
+from specray.scheduler.config import CacheConfig
 from specray.workers import model_loader
+from specray.workers.config import ModelConfig
 from specray.workers.model_runner import ModelWorker
-from specray.workers.worker_config import WorkerConfig
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 
 class DraftWorker(ModelWorker):
-    def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+        """Runs ``model.draft``; ``model.target``'s window and vocabulary bound it."""
+        if not model.draft:
+            raise ValueError("a draft worker needs ModelConfig.draft")
+        super().__init__(model.draft, model, cache, window_of=model.target)
         own = self.runner.vocab_size
         # The target whose window bounds this draft's also bounds the ids it may propose.
-        self.target_vocab = model_loader.load_config(cfg.window_of).vocab_size if cfg.window_of else own
+        self.target_vocab = model_loader.load_config(model.target).vocab_size
         self.scored = min(own, self.target_vocab)      # ids the draft can propose
         # Overlap: the last window proposed (its plan and proposals), which ``predraft``
         # drafts past, and the last pre-draft, which ``adopt`` takes windows from.
@@ -61,8 +54,9 @@ class DraftWorker(ModelWorker):
         return replace(plan, token_ids=[0 if own <= t < self.target_vocab else t for t in ids])
 
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
-        """Returns proposals ``[n, k]`` (-1 past each k_i) and, when any sequence samples,
-        the draft probabilities ``[n, k, V_target]`` its proposals were drawn from."""
+        """Returns proposals ``[n, width]`` (-1 past each ``proposal_lens[i]``) and, when any
+        sequence samples, the draft probabilities ``[n, width, V_target]`` its proposals
+        were drawn from."""
         self._last = self._pre = None
         out = self._propose(plan)
         self._last = (plan, out[0])
@@ -72,15 +66,14 @@ class DraftWorker(ModelWorker):
     def predraft(self, step_id: int) -> tuple[Predraft, torch.Tensor | None]:
         """Drafts, while the target verifies window ``step_id``, the next window of each of
         its sequences on the optimistic outcome: every proposal accepted and the target's
-        next token the draft's own top choice. A sequence is left out where its window
-        stopped early (its outcome is then not all-accepted) or its plan did not reserve
-        the pre-draft's slots (``num_slots >= L + 2 k_i``). Proposals are drawn exactly as
+        next token the draft's own top choice. A sequence is left out where it made fewer
+        proposals than planned or its plan did not reserve the pre-draft's slots
+        (``num_slots >= L + 2 proposal_len``). Proposals are drawn exactly as
         ``propose`` draws them on that prefix (the uniforms are keyed by position), so a
         branch that holds gives the window ``propose`` would give."""
         t0 = time.perf_counter()
         last, self._last, self._pre = self._last, None, None
-        if last is None or last[0].step_id != step_id or last[0].min_reach:
-            # Early stops need per-pass confidences on the plan that takes the window.
+        if last is None or last[0].step_id != step_id:
             return Predraft(step_id=step_id), None
         plan, props = last
         rows = [i for i in range(plan.num_seqs) if props.proposal_lens[i] == plan.proposal_lens[i] >= 1
@@ -90,20 +83,20 @@ class DraftWorker(ModelWorker):
         r = self.runner
         m = [plan.proposal_lens[i] for i in rows]
         base = [plan.num_computed[i] + plan.num_new[i] + mi - 1 for i, mi in zip(rows, m)]
-        tail = [props.token_ids[i * props.k + mi - 1] for i, mi in zip(rows, m)]
+        tail = [props.token_ids[i * props.width + mi - 1] for i, mi in zip(rows, m)]
         sids = [plan.seq_ids[i] for i in rows]
         # The last proposal, never run through the draft, gives the guess of the bonus token.
         guess = r.forward(sids, base, [1] * len(rows), r.to_device(tail),
                           torch.arange(len(rows), device=r.device))[:, :self.scored].argmax(dim=-1).tolist()
         for sid, b in zip(sids, base):
             r.kv.written[sid] = max(r.kv.written.get(sid, 0), b + 1)    # the last proposal's K/V
-        ahead = StepPlan(step_id=step_id, k=max(m), seq_ids=sids, num_computed=[b + 1 for b in base],
+        ahead = StepPlan(step_id=step_id, width=max(m), seq_ids=sids, num_computed=[b + 1 for b in base],
                          num_new=[1] * len(rows), token_ids=guess, num_slots=[plan.num_slots[i] for i in rows],
                          proposal_lens=m, temperature=[plan.temperature[i] for i in rows],
                          top_k=[plan.top_k[i] for i in rows], top_p=[plan.top_p[i] for i in rows],
                          seeds=[plan.seeds[i] for i in rows])
         got, probs = self._propose(ahead)
-        pre = Predraft(step_id=step_id, k=got.k, has_probs=got.has_probs, compute_s=time.perf_counter() - t0,
+        pre = Predraft(step_id=step_id, width=got.width, has_probs=got.has_probs, compute_s=time.perf_counter() - t0,
                        seq_ids=sids, base=base, fed_lens=[2] * len(rows),
                        fed_token_ids=[t for pair in zip(tail, guess) for t in pair],
                        proposal_lens=list(got.proposal_lens), token_ids=list(got.token_ids))
@@ -129,36 +122,31 @@ class DraftWorker(ModelWorker):
         r = self.runner
         plan = self._own_ids(plan)
         r.check_plan(plan)
-        # Passes 1..k_i-1 each write one slot past the fed tokens; the last proposal is
-        # never run through the draft.
+        # Passes 1..proposal_len-1 each write one slot past the fed tokens; the last
+        # proposal is never run through the draft.
         r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
-        n, k = plan.num_seqs, plan.k
+        n, width = plan.num_seqs, plan.width
         if n == 0:
-            return Proposals(step_id=plan.step_id, k=k, compute_s=time.perf_counter() - t0), None
+            return Proposals(step_id=plan.step_id, width=width, compute_s=time.perf_counter() - t0), None
         dev = r.device
         lens = plan.proposal_lens
         sampled_rows = [t > 0 for t in plan.temperature]
         any_sampled = any(sampled_rows)
-        proposals = torch.full((n, k), -1, dtype=torch.long, device=dev)             # [n, k]
+        proposals = torch.full((n, width), -1, dtype=torch.long, device=dev)             # [n, width]
         # Over the target's vocabulary: zero past the ids this draft proposes.
-        probs = torch.zeros(n, k, self.target_vocab, device=dev) if any_sampled else None  # [n, k, V_target]
+        probs = torch.zeros(n, width, self.target_vocab, device=dev) if any_sampled else None  # [n, width, V]
         w = self.scored
         temps = r.to_device(plan.temperature, torch.float32)
         seeds = r.to_device(plan.seeds)
         greedy = r.to_device([not s for s in sampled_rows], torch.bool)
         seq_len = [c + f for c, f in zip(plan.num_computed, plan.num_new)]            # L_i
-        stops = any(plan.min_reach)
-        if stops:
-            lens = list(lens)
-            conf = [[0.0] * k for _ in range(n)]        # the draft's probability of each proposal
-            reach = [1.0] * n
 
         # Pass 0 catches each sequence up (prefill, or the tokens it has not seen yet).
         rows = list(range(n))
         ends = torch.tensor(plan.num_new).cumsum(0) - 1
         logits = r.forward(plan.seq_ids, plan.num_computed, plan.num_new,
                            r.to_device(plan.token_ids), ends.to(dev), tail=[1] * n)[:, :w]   # [n, w]
-        for p in range(k):
+        for p in range(width):
             if p > 0:
                 rows = [i for i in rows if lens[i] > p]
                 if not rows:
@@ -170,7 +158,6 @@ class DraftWorker(ModelWorker):
             else:
                 idx = torch.arange(n, device=dev)
             tok = logits.argmax(dim=-1)
-            q = None
             if any_sampled and any(sampled_rows[i] for i in rows):
                 q = logits_to_probs(logits, temps[idx], [plan.top_k[i] for i in rows],
                                     [plan.top_p[i] for i in rows])                    # [m, w]
@@ -179,36 +166,8 @@ class DraftWorker(ModelWorker):
                 tok = torch.where(greedy[idx], tok, drawn)
                 probs[idx, p, :w] = q
             proposals[idx, p] = tok
-            if stops:
-                self._stop_early(lens, rows, p, logits, tok, q, greedy[idx], conf, reach, plan.min_reach,
-                                 plan.reach_map)
-        # Rows planned with k_i = 0 still ran pass 0; their token is not a proposal.
+        # Rows planned with proposal_len 0 still ran pass 0; their token is not a proposal.
         proposals[r.to_device([i for i in range(n) if lens[i] == 0])] = -1
-        token_ids = proposals.flatten().tolist()
-        confidence = []
-        if stops:
-            # Past a stop no pass wrote a probability; a row planned with k_i = 0 still ran
-            # pass 0, which proposed nothing.
-            confidence = [c if p < m else 0.0 for row, m in zip(conf, lens) for p, c in enumerate(row)]
-        return Proposals(step_id=plan.step_id, k=k, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
-                         seq_ids=list(plan.seq_ids), proposal_lens=list(lens), token_ids=token_ids,
-                         confidence=confidence), probs
-
-    @staticmethod
-    def _stop_early(lens: list[int], rows: list[int], p: int, logits: torch.Tensor, tok: torch.Tensor,
-                    q: torch.Tensor | None, greedy: torch.Tensor, conf: list[list[float]], reach: list[float],
-                    floor: list[float], reach_map: list[float]) -> None:
-        """After pass ``p``: record each row's draft probability of its proposal, update
-        its reach, and cut ``lens`` of the rows whose reach fell below their floor (they
-        keep this proposal: it was drawn before the stop was decided)."""
-        # A greedy row's proposal is the argmax: its probability is the softmax's largest.
-        c = torch.softmax(logits, dim=-1, dtype=torch.float32).amax(dim=-1)                # [m]
-        if q is not None:
-            # A sampling row drew from its warped distribution: its probability is there.
-            c = torch.where(greedy, c, q.gather(1, tok[:, None])[:, 0].float())
-        for i, ci in zip(rows, c.tolist()):
-            ci = min(max(ci, 0.0), 1.0)
-            conf[i][p] = ci
-            reach[i] *= reach_map[decile(ci)] if reach_map else ci
-            if lens[i] > p + 1 and reach[i] < floor[i]:
-                lens[i] = p + 1
+        return Proposals(step_id=plan.step_id, width=width, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
+                         seq_ids=list(plan.seq_ids), proposal_lens=list(lens),
+                         token_ids=proposals.flatten().tolist()), probs

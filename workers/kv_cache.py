@@ -6,7 +6,7 @@ import torch
 
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.messages import StepPlan
-from specray.workers.worker_config import PlanError, StaleCacheError
+from specray.workers.errors import PlanError, StaleCacheError
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -59,11 +59,14 @@ class KVCache:
             self.written.pop(sid, None)
         # Every shrink before any growth: the check counted the pool as a whole, so the
         # order of sequences in the plan cannot make an allocation fail half-way.
-        for sid, slots in zip(plan.seq_ids, plan.num_slots):
-            bm.truncate(sid, slots)
-        for i, (sid, slots) in enumerate(zip(plan.seq_ids, plan.num_slots)):
-            if not bm.allocate(sid, slots):
+        pairs = list(zip(plan.seq_ids, plan.num_slots))
+        for sid, slots in pairs:
+            if bm.blocks_needed(slots) < len(bm.block_table(sid)):
+                bm.allocate_slots(sid, slots)
+        for sid, slots in pairs:
+            if not bm.allocate_slots(sid, slots):
                 raise AssertionError(f"sequence {sid}: allocation failed after the pool check")
+        for i, sid in enumerate(plan.seq_ids):
             self.written[sid] = plan.num_computed[i] + plan.num_new[i] + (lookahead[i] if lookahead else 0)
 
     def _check(self, plan: StepPlan, lookahead: list[int] | None) -> None:

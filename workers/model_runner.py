@@ -8,53 +8,59 @@ import logging
 
 import torch
 
+from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan
 from specray.workers import llama_model, model_loader, step_graphs
+from specray.workers.config import ModelConfig
+from specray.workers.errors import PlanError
 from specray.workers.kv_cache import KVCache, default_num_blocks
 from specray.workers.paged_attention import build_metadata, query_tail
-from specray.workers.worker_config import EXECUTORS, PlanError, WorkerConfig
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
-        self.model, self.config, self.device, self.dtype = model_loader.load_model(cfg.model, cfg.dtype, cfg.device)
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None) -> None:
+        """``path``: the checkpoint this runner loads (the target or the draft of ``model``);
+        ``window_of``: another checkpoint whose context window also bounds this one's (the
+        draft serves the target's sequences). Read here, so the driver can start workers
+        before it has loaded any config itself."""
+        self.path = path
+        self.max_num_seqs = cache.max_num_seqs
+        self.model, self.config, self.device, self.dtype = model_loader.load_model(path, model.dtype, model.device)
         self.vocab_size = self.config.vocab_size
         # The driver never plans past the smaller of its max_model_len and the models' own
         # (the draft's scheduler window included), so neither may a plan.
-        windows = [cfg.max_model_len, model_loader.max_model_len(self.config)]
-        if cfg.window_of:
-            windows.append(model_loader.max_model_len(model_loader.load_config(cfg.window_of)))
+        windows = [model.max_model_len, model_loader.max_model_len(self.config)]
+        if window_of:
+            windows.append(model_loader.max_model_len(model_loader.load_config(window_of)))
         self.max_model_len = min(w for w in windows if w)
-        num_blocks = cfg.num_kv_blocks or default_num_blocks(
-            self.config, cfg.block_size, self.dtype, self.device, self.max_model_len, cfg.max_num_seqs)
-        self.kv = KVCache(self.config, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.native = self._select_executor(cfg.executor)
+        num_blocks = cache.num_kv_blocks or default_num_blocks(
+            self.config, cache.block_size, self.dtype, self.device, self.max_model_len, cache.max_num_seqs)
+        self.kv = KVCache(self.config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.native = self._select_executor(model.executor)
         if self.native is not None:
             # The native executor holds its own fused, transposed copies: drop the modules so
             # the weights are not held twice.
             self.model = None
         self.graphs = None
-        if self.native is not None and cfg.cuda_graphs and step_graphs.available(self.device):
-            self.graphs = step_graphs.StepGraphs(self.native, self.kv, cfg.max_num_seqs, self.max_model_len,
+        if self.native is not None and model.cuda_graphs and step_graphs.available(self.device):
+            self.graphs = step_graphs.StepGraphs(self.native, self.kv, cache.max_num_seqs, self.max_model_len,
                                                  capture=self.device.type == "cuda")
             log.info("specray executor: decode and verify steps of %s replay CUDA graphs (batch buckets up to %d)",
-                     cfg.model, cfg.max_num_seqs)
+                     path, cache.max_num_seqs)
 
     def _select_executor(self, choice: str):
-        """specray's own executor for the families it covers, else transformers' modules."""
-        if choice not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {choice!r}")
+        """specray's own executor for the families it covers, else transformers' modules
+        (``choice`` was validated with its ModelConfig)."""
         why = "executor='transformers'" if choice == "transformers" else llama_model.supports(self.model)
         if why and choice == "native":
-            raise ValueError(f"executor='native' cannot run {self.cfg.model}: {why}")
+            raise ValueError(f"executor='native' cannot run {self.path}: {why}")
         if why:
-            log.info("specray executor: %s runs on the transformers path (%s)", self.cfg.model, why)
+            log.info("specray executor: %s runs on the transformers path (%s)", self.path, why)
             return None
         native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len)
-        log.info("specray executor: %s runs on the native %s executor", self.cfg.model, self.config.model_type)
+        log.info("specray executor: %s runs on the native %s executor", self.path, self.config.model_type)
         return native
 
     @property
@@ -70,11 +76,12 @@ class ModelRunner:
         state is touched; the one place every caller's plan is checked (O(batch))."""
         plan.validate()
         n = plan.num_seqs
-        if n > self.cfg.max_num_seqs:
-            raise PlanError(f"StepPlan.seq_ids: {n} sequences, max_num_seqs is {self.cfg.max_num_seqs}")
-        # k sizes [n, k, V] buffers whatever the proposal lengths: bound it before allocating.
-        if plan.k > self.max_model_len:
-            raise PlanError(f"StepPlan.k = {plan.k} exceeds max_model_len {self.max_model_len}")
+        if n > self.max_num_seqs:
+            raise PlanError(f"StepPlan.seq_ids: {n} sequences, max_num_seqs is {self.max_num_seqs}")
+        # The width sizes [n, width, V] buffers whatever the proposal lengths: bound it
+        # before allocating.
+        if plan.width > self.max_model_len:
+            raise PlanError(f"StepPlan.width = {plan.width} exceeds max_model_len {self.max_model_len}")
         if n and max(plan.num_slots) > self.max_model_len:
             i = max(range(n), key=plan.num_slots.__getitem__)
             raise PlanError(f"StepPlan.num_slots[{i}]: sequence {plan.seq_ids[i]} reserves {plan.num_slots[i]} "
@@ -123,8 +130,8 @@ class ModelRunner:
 class ModelWorker:
     """What draft and target workers share: a model runner and what the driver asks of it."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.runner = ModelRunner(cfg)
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None) -> None:
+        self.runner = ModelRunner(path, model, cache, window_of)
 
     def num_blocks(self) -> int:
         return self.runner.num_blocks

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import time
 
+from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan
 
 
 class NgramProposer:
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+    def __init__(self, speculation: SpeculationConfig) -> None:
+        """Matches n-grams of ``speculation.ngram_max`` down to ``ngram_min`` tokens."""
+        self.max_ngram = speculation.ngram_max
+        self.min_ngram = speculation.ngram_min
         self.history: dict[int, list[int]] = {}
 
     def propose(self, plan: StepPlan) -> tuple[Proposals, None]:
         t0 = time.perf_counter()
         for sid in plan.free_seq_ids:
             self.history.pop(sid, None)
-        k = plan.k
+        width = plan.width
         lens: list[int] = []
         tokens: list[int] = []
         start = 0
@@ -40,14 +40,14 @@ class NgramProposer:
             found = self.lookup(hist, plan.proposal_lens[i])
             hist.extend(found[:-1])
             lens.append(len(found))
-            tokens.extend(found + [-1] * (k - len(found)))
-        return Proposals(step_id=plan.step_id, k=k, has_probs=False, compute_s=time.perf_counter() - t0,
+            tokens.extend(found + [-1] * (width - len(found)))
+        return Proposals(step_id=plan.step_id, width=width, has_probs=False, compute_s=time.perf_counter() - t0,
                          seq_ids=list(plan.seq_ids), proposal_lens=lens, token_ids=tokens), None
 
-    def lookup(self, hist: list[int], k: int) -> list[int]:
+    def lookup(self, hist: list[int], proposal_len: int) -> list[int]:
         """Continuation of the most recent earlier occurrence of the longest suffix
-        n-gram (max_ngram down to min_ngram), up to k tokens."""
-        if k <= 0:
+        n-gram (max_ngram down to min_ngram), up to ``proposal_len`` tokens."""
+        if proposal_len <= 0:
             return []
         size = len(hist)
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
@@ -55,5 +55,5 @@ class NgramProposer:
             last = pattern[-1]
             for end in range(size - 2, n - 2, -1):   # end: index of the match's last token
                 if hist[end] == last and hist[end - n + 1:end + 1] == pattern:
-                    return hist[end + 1:end + 1 + k]
+                    return hist[end + 1:end + 1 + proposal_len]
         return []

@@ -1,19 +1,18 @@
 """Lossless verification of draft proposals.
 
-Glossary (per sequence, ``k_i`` proposals ``x_1..x_k_i``, target distributions
-``p_0..p_k_i`` at the k_i + 1 scored positions, draft distributions ``q_0..q_{k_i-1}``):
-
-- accepted tokens: the longest prefix of proposals the target keeps;
-- recovered token: at the first rejected position j, a sample of
-  ``norm(max(0, p_j - q_j))`` (greedy: the target's argmax);
-- bonus token: when all k_i are accepted, a sample of ``p_k_i`` (greedy: argmax).
-
-Every step therefore emits accepted + 1 tokens. Proposal ``x_j`` is accepted with
+Per sequence, with ``m`` its ``proposal_len`` (``specray.scheduler``'s glossary):
+proposals ``x_1..x_m``, target distributions ``p_0..p_m`` at the m + 1 scored positions,
+draft distributions ``q_0..q_{m-1}``. The accepted tokens are the longest prefix of
+proposals the target keeps; then comes the target's own token: at the first rejected
+position j a sample of ``norm(max(0, p_j - q_j))`` (greedy: the target's argmax), or, when
+all m are accepted, the bonus token, a sample of ``p_m``. Every step therefore emits
+accepted + 1 tokens. Proposal ``x_j`` is accepted with
 probability ``min(1, p(x_j) / q(x_j))``, which makes the emitted tokens distributed
 exactly as the target's own samples. A deterministic proposal (n-gram) is a one-hot q.
 
-``random_verify`` works on the whole batch at once on the device; its outputs are
-``[n, k + 1]`` with ``-1`` past the emitted tokens, plus ``num_emitted [n]``.
+``random_verify`` works on the whole batch at once on the device, over grids of the
+step's ``width``; its outputs are ``[n, width + 1]`` with ``-1`` past the emitted tokens,
+plus ``num_emitted [n]``.
 ``greedy_accept`` reads the target's argmax grid on the host.
 """
 
@@ -25,18 +24,18 @@ from specray.workers.sampling import sample_from_probs
 
 
 def greedy_accept(target_argmax: list[int], proposal_ids: list[int], proposal_lens: list[int],
-                  k: int) -> list[list[int]]:
+                  width: int) -> list[list[int]]:
     """Greedy verification on the host. ``target_argmax``: the target's argmax at each
-    sequence's k + 1 scored positions, flat ``[n * (k+1)]``; ``proposal_ids``: flat
-    ``[n * k]``, -1 padded (empty when nothing was proposed). Returns each sequence's
+    sequence's width + 1 scored positions, flat ``[n * (width+1)]``; ``proposal_ids``: flat
+    ``[n * width]``, -1 padded (empty when nothing was proposed). Returns each sequence's
     emitted tokens: its accepted proposals (which equal the target's argmax there) and the
-    target's token at the first mismatch, or the bonus token when all k_i match."""
-    k1 = k + 1
+    target's token at the first mismatch, or the bonus token when all match."""
+    w1 = width + 1
     emitted = []
     for i, m in enumerate(proposal_lens):
-        target = target_argmax[i * k1:i * k1 + m + 1]
+        target = target_argmax[i * w1:i * w1 + m + 1]
         j = 0
-        while j < m and proposal_ids[i * k + j] == target[j]:
+        while j < m and proposal_ids[i * width + j] == target[j]:
             j += 1
         emitted.append(target[:j + 1])
     return emitted
@@ -45,31 +44,31 @@ def greedy_accept(target_argmax: list[int], proposal_ids: list[int], proposal_le
 def random_verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                   has_draft_probs: torch.Tensor, proposal_lens: torch.Tensor,
                   accept_u: torch.Tensor, sample_u: torch.Tensor):
-    """target_probs: [n, k+1, V]; draft_ids: [n, k]; draft_probs: [n, k, V] or None
+    """target_probs: [n, w+1, V] (w: the step's width); draft_ids: [n, w]; draft_probs: [n, w, V] or None
     (rows with ``has_draft_probs`` False are one-hot at their proposal);
-    accept_u: [n, k]; sample_u: [n, k+1] uniforms in [0, 1)."""
-    n, k1, vocab = target_probs.shape
-    k = k1 - 1
+    accept_u: [n, w]; sample_u: [n, w+1] uniforms in [0, 1)."""
+    n, w1, vocab = target_probs.shape
+    w = w1 - 1
     dev = target_probs.device
     rows = torch.arange(n, device=dev)
-    valid = torch.arange(k, device=dev) < proposal_lens.unsqueeze(-1)                 # [n, k]
+    valid = torch.arange(w, device=dev) < proposal_lens.unsqueeze(-1)                 # [n, w]
     ids = draft_ids.clamp(min=0)
-    one_hot = torch.nn.functional.one_hot(ids, vocab).to(target_probs.dtype)         # [n, k, V]
+    one_hot = torch.nn.functional.one_hot(ids, vocab).to(target_probs.dtype)         # [n, w, V]
     if draft_probs is None:
         q = one_hot
     else:
         q = torch.where(has_draft_probs.view(n, 1, 1), draft_probs.to(target_probs.dtype), one_hot)
-    p_x = target_probs[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)               # [n, k]
-    q_x = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)                                 # [n, k]
+    p_x = target_probs[:, :w].gather(-1, ids.unsqueeze(-1)).squeeze(-1)               # [n, w]
+    q_x = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)                                 # [n, w]
     # u < p/q, written without the division; strict so a token with p = 0 is never kept.
     accept = (accept_u.to(p_x.dtype) * q_x < p_x) & valid
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)                          # [n]
 
     # The one distribution each row samples from: residual at the first rejection,
     # the target itself for the bonus position.
-    at = num_accepted.clamp(max=max(k - 1, 0))
+    at = num_accepted.clamp(max=max(w - 1, 0))
     rejected = num_accepted < proposal_lens
-    if k > 0:
+    if w > 0:
         residual = (target_probs[rows, at] - q[rows, at]).clamp_(min=0)             # [n, V]
         # p == q everywhere leaves no residual, but then nothing is ever rejected.
         empty = residual.sum(-1, keepdim=True) <= 0
@@ -79,8 +78,8 @@ def random_verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, draft_pro
         final = target_probs[:, 0]
     token = sample_from_probs(final, sample_u[rows, num_accepted])                    # [n]
 
-    j = torch.arange(k1, device=dev)
-    padded_ids = torch.cat([draft_ids, draft_ids.new_full((n, 1), -1)], dim=1)        # [n, k+1]
+    j = torch.arange(w1, device=dev)
+    padded_ids = torch.cat([draft_ids, draft_ids.new_full((n, 1), -1)], dim=1)        # [n, w+1]
     out = torch.where(j < num_accepted.unsqueeze(-1), padded_ids, torch.full_like(padded_ids, -1))
     out[rows, num_accepted] = token
     return out, num_accepted + 1

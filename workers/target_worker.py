@@ -1,5 +1,5 @@
-"""The target model: scores every sequence's k_i + 1 positions in one packed forward
-pass (no batch expansion) and runs the rejection sampler."""
+"""The target model: scores every sequence's proposal_len + 1 positions in one packed
+forward pass (no batch expansion) and runs the rejection sampler."""
 
 from __future__ import annotations
 
@@ -8,83 +8,90 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan, StepResult
-from specray.workers.worker_config import PlanError
+from specray.workers.config import ModelConfig
+from specray.workers.errors import PlanError
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
 
 
 class TargetWorker(ModelWorker):
+    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+        super().__init__(model.target, model, cache)
+
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
-        """``draft_probs``: the proposing shards' ``[m, k, V]`` tensors in shard order
+        """``draft_probs``: the proposing shards' ``[m, width, V]`` tensors in shard order
         (``plan.draft_rows`` indexes their concatenation)."""
         t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
-        n, k = plan.num_seqs, plan.k
-        plens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
-        self._check_proposals(plan, plens, draft_probs)
-        r.kv.apply(plan, plens)          # proposals are fed: their K/V is written too
+        n, width = plan.num_seqs, plan.width
+        lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n     # proposals verified
+        self._check_proposals(plan, lens, draft_probs)
+        r.kv.apply(plan, lens)          # proposals are fed: their K/V is written too
         if n == 0:
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
-        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, plens, k)
+        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, lens, width)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.score_rows), tail=[m + 1 for m in plens])   # [n * (k+1), V]
+                           r.to_device(batch.score_rows), tail=[m + 1 for m in lens])   # [n * (width+1), V]
         vocab = logits.shape[-1]
-        scores = logits.view(n, k + 1, vocab)
-        # Greedy rows are decided on the host from the argmax grid ([n, k+1] ints): fewer
-        # tensor ops than a masked device computation, and the same one host sync.
+        scores = logits.view(n, width + 1, vocab)
+        # Greedy rows are decided on the host from the argmax grid ([n, width+1] ints):
+        # fewer tensor ops than a masked device computation, and the same one host sync.
         argmax = scores.argmax(dim=-1).view(-1)
         sampled = [i for i, t in enumerate(plan.temperature) if t > 0]
         if sampled:
-            out, counts = self._sample(plan, plens, sampled, scores, draft_probs)
+            out, counts = self._sample(plan, lens, sampled, scores, draft_probs)
             flat = torch.cat([argmax, counts, out.view(-1)]).tolist()      # still one host sync
-            cells, m = n * (k + 1), len(sampled)
+            cells, m = n * (width + 1), len(sampled)
             grid, counts, out = flat[:cells], flat[cells:cells + m], flat[cells + m:]
         else:
             grid = argmax.tolist()
-        emitted = greedy_accept(grid, plan.proposal_token_ids, plens, k)
+        emitted = greedy_accept(grid, plan.proposal_token_ids, lens, width)
         for j, i in enumerate(sampled):
-            emitted[i] = out[j * (k + 1):j * (k + 1) + counts[j]]
+            emitted[i] = out[j * (width + 1):j * (width + 1) + counts[j]]
         return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids),
-                          num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
+                          num_proposed=list(lens), num_emitted=[len(e) for e in emitted],
+                          token_ids=[t for e in emitted for t in e])
 
-    def _sample(self, plan: StepPlan, plens: list[int], rows: list[int], scores, draft_probs):
+    def _sample(self, plan: StepPlan, lens: list[int], rows: list[int], scores, draft_probs):
         """Rejection sampling for the sequences ``rows`` (batch indices) that sample:
-        their emitted tokens [m, k+1] (-1 past the emitted) and counts [m]."""
+        their emitted tokens [m, width+1] (-1 past the emitted) and counts [m]."""
         r = self.runner
         dev = r.device
-        k = plan.k
-        k1, vocab = scores.shape[1:]
+        width = plan.width
+        w1, vocab = scores.shape[1:]
         m = len(rows)
-        rep = lambda xs: [xs[i] for i in rows for _ in range(k1)]  # noqa: E731
+        rep = lambda xs: [xs[i] for i in rows for _ in range(w1)]  # noqa: E731
         di = r.to_device(rows)
-        probs = logits_to_probs(scores[di].view(m * k1, vocab), r.to_device(rep(plan.temperature), torch.float32),
-                                rep(plan.top_k), rep(plan.top_p)).view(m, k1, vocab)
+        probs = logits_to_probs(scores[di].view(m * w1, vocab), r.to_device(rep(plan.temperature), torch.float32),
+                                rep(plan.top_k), rep(plan.top_p)).view(m, w1, vocab)
         props = plan.proposal_token_ids
-        draft_ids = r.to_device([props[i * k + j] for i in rows for j in range(k)] if props else [-1] * (m * k))
-        lens = r.to_device([plens[i] for i in rows])
+        draft_ids = r.to_device([props[i * width + j] for i in rows for j in range(width)] if props
+                                else [-1] * (m * width))
+        proposal_lens = r.to_device([lens[i] for i in rows])
         q, has_q = self._draft_probs(draft_probs, [plan.draft_rows[i] if plan.draft_rows else -1 for i in rows], dev)
         base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])         # L_i
-        positions = base.unsqueeze(-1) + torch.arange(k1, device=dev)                      # [m, k+1]
+        positions = base.unsqueeze(-1) + torch.arange(w1, device=dev)                      # [m, width+1]
         seeds = r.to_device([plan.seeds[i] for i in rows]).unsqueeze(-1)
         accept_u = keyed_uniform(seeds, positions[:, :-1], STREAM_ACCEPT)
         sample_u = keyed_uniform(seeds, positions, STREAM_TARGET)
-        return random_verify(probs, draft_ids.view(m, k), q, has_q, lens, accept_u, sample_u)
+        return random_verify(probs, draft_ids.view(m, width), q, has_q, proposal_lens, accept_u, sample_u)
 
-    def _check_proposals(self, plan: StepPlan, plens: list[int], shards) -> None:
+    def _check_proposals(self, plan: StepPlan, lens: list[int], shards) -> None:
         """Proposals are fed to the model and index one-hot rows, draft rows index the
-        shards: all must be in range (O(n * k) in C, no per-token Python)."""
-        vocab, k = self.runner.vocab_size, plan.k
+        shards: all must be in range (O(n * width) in C, no per-token Python)."""
+        vocab, width = self.runner.vocab_size, plan.width
         props = plan.proposal_token_ids
         if props and (min(props) < -1 or max(props) >= vocab):
             j = next(j for j, t in enumerate(props) if not -1 <= t < vocab)
-            raise PlanError(f"StepPlan.proposal_token_ids[{j}] (sequence {plan.seq_ids[j // k]}): "
+            raise PlanError(f"StepPlan.proposal_token_ids[{j}] (sequence {plan.seq_ids[j // width]}): "
                             f"{props[j]} is outside the vocabulary [0, {vocab})")
-        for i, m in enumerate(plens):
-            if m and min(props[i * k:i * k + m]) < 0:
+        for i, m in enumerate(lens):
+            if m and min(props[i * width:i * width + m]) < 0:
                 raise PlanError(f"StepPlan.proposal_token_ids: sequence {plan.seq_ids[i]} pads inside "
                                 f"its {m} proposals")
         rows = 0
@@ -92,9 +99,9 @@ class TargetWorker(ModelWorker):
             if s is None:
                 continue
             if not (isinstance(s, torch.Tensor) and s.is_floating_point() and s.dim() == 3
-                    and s.shape[1:] == (k, vocab)):
+                    and s.shape[1:] == (width, vocab)):
                 what = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-                raise PlanError(f"draft_probs[{j}] must be a float tensor [m, {k}, {vocab}], got {what}")
+                raise PlanError(f"draft_probs[{j}] must be a float tensor [m, {width}, {vocab}], got {what}")
             rows += s.shape[0]
         if plan.draft_rows and max(plan.draft_rows) >= rows:
             i = max(range(plan.num_seqs), key=plan.draft_rows.__getitem__)
@@ -115,16 +122,16 @@ class TargetWorker(ModelWorker):
 class PackedVerify:
     tokens: list[int]         # [T]: per sequence its new tokens, then its proposals
     fed: list[int]            # [n]: tokens each sequence feeds
-    score_rows: list[int]     # [n * (k+1)]: packed row scoring each position (repeats past k_i)
+    score_rows: list[int]     # [n * (width+1)]: packed row scoring each position (repeats past proposal_len)
 
 
 def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token_ids: list[int],
-                        proposal_lens: list[int], k: int) -> PackedVerify:
+                        proposal_lens: list[int], width: int) -> PackedVerify:
     """The verify pass's input layout, as host lists (list slicing and ``range`` run at
     C speed; a handful of tiny tensor ops cost more at these sizes). Sequence i's
-    positions 0..k_i are scored at its last new token and its proposals; rows past k_i
-    repeat its last scored row so the logits come out as a dense ``[n, k+1]`` grid
-    without a scatter (the sampler never reads them)."""
+    positions 0..m (m its proposal_len) are scored at its last new token and its
+    proposals; rows past m repeat its last scored row so the logits come out as a dense
+    ``[n, width+1]`` grid without a scatter (the sampler never reads them)."""
     tokens: list[int] = []
     fed: list[int] = []
     score_rows: list[int] = []
@@ -133,10 +140,10 @@ def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token
         tokens += token_ids[start:start + new]
         start += new
         if m:
-            tokens += proposal_token_ids[i * k:i * k + m]
+            tokens += proposal_token_ids[i * width:i * width + m]
         last = row + new - 1
         score_rows += range(last, last + m + 1)
-        score_rows += [last + m] * (k - m)
+        score_rows += [last + m] * (width - m)
         row += new + m
         fed.append(new + m)
     return PackedVerify(tokens, fed, score_rows)

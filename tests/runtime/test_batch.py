@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from specray_testing import ROOT, hf_greedy
-from specray.batch_files import Location, check_output_place
-from specray.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
+from specray.runtime.batch_files import Location, check_output_place
+from specray.runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
                            run)
-from specray.batch import main as batch_main
-from specray.request_output import RequestOutput
+from specray.runtime.batch import main as batch_main
+from specray.runtime.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
 
 MODEL_FLAGS = ["-k", "3", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
@@ -97,7 +97,7 @@ def test_batch_skips_or_fails_on_malformed_lines(llama_pair, tmp_path, ray_sessi
     flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--max-tokens", "8"]
     skip_out, fail_out = tmp_path / "out.jsonl", tmp_path / "fail.jsonl"
     # `--on-error skip` as users run it: a subprocess with its own private Ray ...
-    proc = subprocess.Popen([sys.executable, "-m", "specray.batch", *flags, "--output", str(skip_out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.batch", *flags, "--output", str(skip_out)], cwd=ROOT,
                             env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # ... and meanwhile `--on-error fail` in this process, on the tests' shared Ray.
     assert batch_main(flags + ["--output", str(fail_out), "--on-error", "fail"]) == 2

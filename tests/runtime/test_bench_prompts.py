@@ -6,8 +6,8 @@ import pytest
 
 from specray_testing import word_tokenizer
 from specray import builtin_model
-from specray.bench_prompts import INSTRUCTIONS, PARAGRAPHS, bench_prompts, quote_texts
-from specray.stdlib_corpus import held_out_prompts
+from specray.runtime.bench.prompts import INSTRUCTIONS, PARAGRAPHS, bench_prompts, quote_texts
+from specray.runtime.stdlib_corpus import held_out_prompts
 from specray.workers.model_loader import load_tokenizer
 
 
@@ -40,7 +40,9 @@ def test_a_chat_model_gets_the_request_as_its_user_turn():
 
 
 def test_a_target_alone_is_benched_with_ngram_and_plain_decoding(ray_session, tmp_path):
-    from specray.bench import BenchSettings, format_table, run_bench, write_outputs
+    from specray.runtime.bench.report import format_table, write_outputs
+    from specray.runtime.bench.run import run_bench
+    from specray.runtime.bench.settings import BenchSettings
 
     s = BenchSettings(target=builtin_model("tiny-target"), draft=None, batch_sizes=(1, 2), max_tokens=12,
                       repeats=2, prompt_set="quote", device="cpu", colocate=True, progress=False,
@@ -50,7 +52,10 @@ def test_a_target_alone_is_benched_with_ngram_and_plain_decoding(ray_session, tm
     keys = {(r["system"], r["proposer"], r["batch_size"]) for r in result["runs"]}
     assert keys == {("specray", "ngram", 1), ("specray", "none", 1), ("hf", "none", 1), ("hf", "lookup", 1),
                     ("specray", "ngram", 2), ("specray", "none", 2), ("hf", "none", 2)}
-    assert result["alpha"] is None and result["analytic_bound"] is None and result["paired"] == []
+    assert result["alpha"] is None and result["analytic_bound"] is None
+    # n-gram lookup is held to plain decoding, per batch size.
+    assert {(p["proposer"], p["batch_size"], p["against"]) for p in result["paired"]} == {
+        ("ngram", b, against) for b in (1, 2) for against in ("none", "best other")}
     ratios = result["batch1_ratios"]
     assert all(q is not None and q["min"] <= q["median"] <= q["max"] for q in ratios.values())
     assert "no draft: n-gram and plain decoding only" in format_table(result)

@@ -11,8 +11,8 @@ import pytest
 
 from specray_testing import hf_greedy, make_pair, word_tokenizer
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
-from specray.batch import main as batch_main
-from specray.chat import check_messages
+from specray.runtime.batch import main as batch_main
+from specray.runtime.chat import check_messages
 
 # Roles become marker words; the generation prompt is "w7". Words w3..w96 are the vocabulary.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ 'w5' if m['role'] == 'user' else 'w6' }} "
@@ -70,7 +70,7 @@ def test_a_tokenizer_without_a_template_is_a_clear_error(tmp_path, ray_module):
         with pytest.raises(ValueError, match="request 0: messages need a chat template, and the target's "
                                              "tokenizer has none"):
             r.chat(CONVERSATIONS[:1])
-        assert r.info["has_chat_template"] is False
+        assert r.info.has_chat_template is False
         (o,) = r.generate([[5, 10, 11]], SamplingParams(max_tokens=3, temperature=0.0))   # still serving
         assert len(o.token_ids) == 3
     finally:

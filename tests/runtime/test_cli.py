@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from specray.bench import (PHASES, BenchSettings, OutputCheck, Run, _t975, analytic_speedup, batch_prompts,
-                           gpu_shares, paired_ratios, run_order, within_repeats)
+from specray.runtime.bench.run import OutputCheck, batch_prompts, gpu_shares, run_order
+from specray.runtime.bench.settings import PHASES, BenchSettings, Run
+from specray.runtime.bench.stats import analytic_speedup, paired_ratios, t975, within_repeats
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECRAY = [sys.executable, "-m", "specray.cli"]
+SPECRAY = [sys.executable, "-m", "specray.runtime.cli"]
 
 
 def run_cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -96,7 +97,7 @@ def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatc
     """Each worker's KV cache is sized for max_num_seqs sequences at max_model_len: at a
     real model's window, runtimes sharing one GPU would take half of what was left each."""
     import specray
-    from specray.bench import _start_runtimes
+    from specray.runtime.bench.run import start_runtimes
 
     configs = []
 
@@ -107,20 +108,30 @@ def test_bench_runtimes_are_sized_for_the_bench_not_the_models_window(monkeypatc
     monkeypatch.setattr(specray, "SpecRuntime", FakeRuntime)
     s = BenchSettings(target="t", draft="d", batch_sizes=(1, 8), device="cpu")
     wanted = [("draft", "static", None), ("draft", "adaptive", None), ("none", "static", None), ("draft", "static", 6)]
-    started = _start_runtimes(s, wanted, 300)
+    started = start_runtimes(s, wanted, 300)
     assert set(started) == set(wanted)
-    assert [(c.max_model_len, c.max_num_seqs) for c in configs] == [(300, 8)] * 4
-    # The bench's k, or a swept one; an adaptive run's request alone reaches twice k.
-    assert [(c.num_speculative_tokens, c.lookahead) for c in configs] == [(4, 4), (4, 8), (4, 0), (6, 6)]
+    assert [(c.model.max_model_len, c.cache.max_num_seqs) for c in configs] == [(300, 8)] * 4
+    # The bench's k, or a swept one; none without a proposer.
+    assert [c.speculation.num_speculative_tokens for c in configs] == [4, 4, 0, 6]
 
 
-def test_each_repeat_rotates_the_configurations_of_each_batch_size():
+def test_each_repeat_draws_the_order_of_each_batch_sizes_configurations():
+    import random
+    from collections import Counter
+
     plan = [("specray", "draft", 1), ("specray", "none", 1), ("hf", "none", 1),
             ("specray", "draft", 8), ("specray", "none", 8), ("hf", "assisted", 1)]
-    assert run_order(plan, 0) == [plan[0], plan[1], plan[2], plan[5], plan[3], plan[4]]
-    assert run_order(plan, 1) == [plan[1], plan[2], plan[5], plan[0], plan[4], plan[3]]
-    for rep in range(6):
-        assert sorted(run_order(plan, rep)) == sorted(plan)
+    rng = random.Random(3)
+    orders = [run_order(plan, rng) for _ in range(300)]
+    for order in orders:
+        assert sorted(order) == sorted(plan)
+        assert [key[2] for key in order] == [1, 1, 1, 1, 8, 8]       # batch sizes in order
+    # Every configuration of batch 1 takes each of its places about equally often.
+    places = Counter((order.index(key), key) for order in orders for key in plan if key[2] == 1)
+    assert min(places.values()) > 300 / 4 * 0.6
+    # Seeded: the same seed gives the same orders.
+    again = random.Random(3)
+    assert [run_order(plan, again) for _ in range(300)] == orders
 
 
 def test_rotated_repeats_serve_the_next_prompts():
@@ -165,7 +176,7 @@ def test_the_t_quantile_matches_students_table():
     # Two-sided 95 % points of Student's t (any statistics table).
     table = {1: 12.706, 2: 4.303, 5: 2.571, 10: 2.228, 11: 2.201, 15: 2.131, 20: 2.086, 30: 2.042,
              60: 2.000, 120: 1.980}
-    assert {df: round(_t975(df), 3) for df in table} == pytest.approx(table, abs=0.002)
+    assert {df: round(t975(df), 3) for df in table} == pytest.approx(table, abs=0.002)
 
 
 def test_analytic_speedup_limits():
@@ -189,7 +200,7 @@ def specray_actors_and_groups(dashboard: str) -> tuple[list[str], list[str]]:
     from ray.util.state import list_actors, list_placement_groups
 
     live = [a.class_name for a in list_actors(address=dashboard, filters=[("state", "!=", "DEAD")], limit=1000)
-            if a.class_name in ("Driver", "DraftWorker", "TargetWorker")]
+            if a.class_name in ("Driver", "DraftActor", "TargetActor")]
     groups = [g.state for g in list_placement_groups(address=dashboard, limit=1000) if g.state != "REMOVED"]
     return live, groups
 
@@ -217,14 +228,14 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
     # shell starting a job in the background without job control has it ignore SIGINT, and
     # children inherit that; Python then leaves it ignored).
     foreground = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                                        "from specray.cli import main; sys.exit(main())"]
+                                        "from specray.runtime.cli import main; sys.exit(main())"]
     proc = subprocess.Popen(foreground + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
             live, groups = specray_actors_and_groups(dashboard)
-            if sorted(live) == ["DraftWorker", "Driver", "TargetWorker"] and groups == ["CREATED"]:
+            if sorted(live) == ["DraftActor", "Driver", "TargetActor"] and groups == ["CREATED"]:
                 break
             time.sleep(0.5)
         else:
@@ -264,7 +275,7 @@ def test_bench_runtimes_share_one_gpu(monkeypatch):
 
 def test_sampling_flags_default_to_sampling_params():
     """`specray generate`, `specray batch` and the API sample alike unless told otherwise."""
-    from specray.cli import build_parser
+    from specray.runtime.cli import build_parser
     from specray.scheduler.sampling_params import SamplingParams
 
     parser, api = build_parser(), SamplingParams()

@@ -136,7 +136,7 @@ def test_a_refused_config_leaves_no_worker_behind(ray_session, tmp_path):
 
     def alive() -> list[str]:
         return sorted(a["ActorClassName"] for a in actors().values()
-                      if a["State"] == "ALIVE" and a["ActorClassName"] in ("DraftWorker", "TargetWorker", "Driver"))
+                      if a["State"] == "ALIVE" and a["ActorClassName"] in ("DraftActor", "TargetActor", "Driver"))
 
     t, other_draft = disagreeing_pair(tmp_path)
     before = alive()
@@ -156,11 +156,11 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
 
     from ray._private.state import actors
 
-    from specray.worker_pool import StartCancelled, start_workers
+    from specray.runtime.worker_pool import StartCancelled, start_workers
 
     def alive() -> list[str]:
         return sorted(a["ActorClassName"] for a in actors().values()
-                      if a["State"] != "DEAD" and a["ActorClassName"] in ("DraftWorker", "TargetWorker"))
+                      if a["State"] != "DEAD" and a["ActorClassName"] in ("DraftActor", "TargetActor"))
 
     t, d = llama_pair
     cfg = RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
@@ -180,7 +180,7 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
         deadline = time.time() + 60
         while len(alive()) < len(before) + 2 and time.time() < deadline:
             time.sleep(0.2)
-        assert alive() == sorted(before + ["DraftWorker", "TargetWorker"])   # one up, one pending
+        assert alive() == sorted(before + ["DraftActor", "TargetActor"])   # one up, one pending
     finally:
         cancel.set()
         starter.join(timeout=60)
@@ -217,7 +217,7 @@ def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
 
     rt.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
     first = wait_for(rt.metrics()["num_emitted_tokens"])
-    for name in ("acceptance_rate", "mean_k", "mean_overhead_s"):
+    for name in ("acceptance_rate", "mean_proposal_len", "mean_overhead_s"):
         assert f"ray_specray_{name}" in first, (name, first)
     rt.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
     assert wait_for(rt.metrics()["num_emitted_tokens"])["ray_specray_num_emitted_tokens_total"] \
@@ -291,7 +291,7 @@ def test_connect_to_a_wrong_address_fails_soon_with_a_clear_error(tmp_path):
 def test_auto_names_the_clusters_it_cannot_choose_between(monkeypatch):
     from ray._private import services
 
-    from specray import ray_env
+    from specray.runtime import ray_env
 
     monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"10.0.0.1:6379", "10.0.0.2:6379"})
     with pytest.raises(ValueError, match=r"ray_address='auto': 2 Ray clusters run on this machine "

@@ -110,9 +110,9 @@ def _documented_flags(text: str) -> dict[str, dict]:
 def test_documented_flags_place_each_worker_on_its_own_node_type(doc):
     """The flags the comments and docs tell users to pass give worker actors bundles that
     fit their node type (with the GPU a CUDA worker adds) and no other node type."""
-    from specray.cli_args import add_model_args, runtime_config
-    from specray.worker_actors import actor_options
-    from specray.worker_pool import _bundle
+    from specray.runtime.cli_args import add_model_args, runtime_config
+    from specray.runtime.actor_handle import actor_options
+    from specray.runtime.worker_pool import _bundle
     import argparse
 
     flags = _documented_flags(doc.read_text())
@@ -124,7 +124,7 @@ def test_documented_flags_place_each_worker_on_its_own_node_type(doc):
     rc = runtime_config(args)
     cfg = load()
     types = cfg["available_node_types"]
-    for kind, res in (("target", rc.target_resources), ("draft", rc.draft_resources)):
+    for kind, res in (("target", rc.cluster.target_resources), ("draft", rc.cluster.draft_resources)):
         bundle = _bundle(actor_options(res, gpu=True))
         fits = [n for n, t in types.items() if all(t.get("resources", {}).get(k, 0) >= v for k, v in bundle.items())]
         assert fits == [kind], (kind, bundle, fits)
@@ -278,9 +278,9 @@ def test_autoscaler_launches_target_and_draft_nodes_for_the_workers(llama_pair):
         placed = {}
         for a in got["actors"]:
             placed.setdefault(a["class_name"], []).append(a["node_id"])
-        assert len(placed.get("TargetWorker", [])) == 1 and len(placed.get("DraftWorker", [])) == 1, got["actors"]
-        assert kinds[placed["TargetWorker"][0]] == ["target"]
-        assert kinds[placed["DraftWorker"][0]] == ["draft"]
+        assert len(placed.get("TargetActor", [])) == 1 and len(placed.get("DraftActor", [])) == 1, got["actors"]
+        assert kinds[placed["TargetActor"][0]] == ["target"]
+        assert kinds[placed["DraftActor"][0]] == ["draft"]
         ok = True
     finally:
         head.stop(keep_logs=not ok)

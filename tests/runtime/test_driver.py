@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specray_testing import needs_adaptive, hf_greedy
-from specray.config import RuntimeConfig
-from specray.driver import DriverCore
+from specray_testing import hf_greedy
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ class BrokenExporter:
 
     def update(self, metrics: dict) -> None:
         self.calls += 1
-        raise KeyError("num_stopped_proposals")
+        raise KeyError("num_predrafted_windows")
 
 
 def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
@@ -45,31 +45,8 @@ def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
     assert "metrics export: KeyError" in status["last_error"]
 
 
-def test_max_speculative_tokens_is_checked(llama_pair):
+def test_num_speculative_tokens_must_fit_the_window(llama_pair):
     t, d = llama_pair
-    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive").lookahead == 8
-    assert RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=6).lookahead == 6
-    assert RuntimeConfig(target=t, draft=d).lookahead == 4
-    with pytest.raises(ValueError, match="max_speculative_tokens applies to speculation_policy='adaptive'"):
-        RuntimeConfig(target=t, draft=d, max_speculative_tokens=8)
-    with pytest.raises(ValueError, match="max_speculative_tokens applies"):
-        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", draft_early_stop=False,
-                      max_speculative_tokens=8)
-    with pytest.raises(ValueError, match="max_speculative_tokens 3 must be >= num_speculative_tokens 4"):
-        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=3)
-    with pytest.raises(ValueError, match="max_speculative_tokens must be an int >= 1"):
-        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens="8")
-
-
-@needs_adaptive
-def test_max_speculative_tokens_must_fit_the_window(llama_pair):
-    t, d = llama_pair
-    with pytest.raises(ValueError, match="max_speculative_tokens 64 must be below max_model_len 32"):
-        DriverCore(RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", max_speculative_tokens=64,
-                                 max_model_len=32, device="cpu"), backend="local")
-
-
-def test_draft_early_stop_must_be_a_bool(llama_pair):
-    t, d = llama_pair
-    with pytest.raises(ValueError, match="draft_early_stop must be True or False"):
-        RuntimeConfig(target=t, draft=d, speculation_policy="adaptive", draft_early_stop=1)
+    with pytest.raises(ValueError, match="num_speculative_tokens 40 must be below max_model_len 32"):
+        DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=40, max_model_len=32, device="cpu"),
+                   backend="local")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specray_testing import hf_greedy, run_local
-from specray.config import RuntimeConfig
+from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams
 
 PROMPT_LENS = (1, 3, 5, 7, 9, 12, 16, 23, 31)

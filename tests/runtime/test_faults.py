@@ -68,15 +68,15 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
     and in the multi-node node-loss tests.)"""
     rt = start_runtime(llama_pair, max_worker_restarts=2, compiled_graph=True)
     try:
-        (victim,) = alive_pids("DraftWorker")
+        (victim,) = alive_pids("DraftActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["num_draft_worker_failures"] >= 1
         # Ray restarted it (a new process) and speculation resumed.
         deadline = time.time() + 60
-        while not (alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim) and time.time() < deadline:
+        while not (alive_pids("DraftActor") and alive_pids("DraftActor")[0] != victim) and time.time() < deadline:
             time.sleep(0.5)
-        assert alive_pids("DraftWorker") and alive_pids("DraftWorker")[0] != victim
+        assert alive_pids("DraftActor") and alive_pids("DraftActor")[0] != victim
         # The idle driver notices by itself; no request is needed for that.
         while rt.metrics()["draft_workers_down"] and time.time() < deadline:
             time.sleep(0.2)
@@ -94,13 +94,13 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
 def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair, expected):
     rt = start_runtime(llama_pair, max_worker_restarts=2)
     try:
-        (victim,) = alive_pids("TargetWorker")
+        (victim,) = alive_pids("TargetActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["num_target_worker_failures"] >= 1
         assert m["num_preemptions"] >= 1          # its sequences were requeued and recomputed
         assert m["target_workers_down"] == []
-        assert alive_pids("TargetWorker") and alive_pids("TargetWorker")[0] != victim
+        assert alive_pids("TargetActor") and alive_pids("TargetActor")[0] != victim
     finally:
         rt.shutdown()
 
@@ -112,12 +112,12 @@ def actor_states(cls: str) -> list[str]:
 def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair, expected):
     rt = start_runtime(llama_pair, max_worker_restarts=0)
     try:
-        (victim,) = alive_pids("DraftWorker")
+        (victim,) = alive_pids("DraftActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["draft_workers_dead"] == [0] and m["draft_workers_down"] == [0]
         assert m["target_workers_dead"] == []
-        assert "DEAD" in actor_states("DraftWorker") and not alive_pids("DraftWorker")   # Ray agrees
+        assert "DEAD" in actor_states("DraftActor") and not alive_pids("DraftActor")   # Ray agrees
         again = rt.generate(PROMPTS[:2], SamplingParams(max_tokens=40, temperature=0.0))
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         assert rt.metrics()["num_draft_tokens"] == m["num_draft_tokens"]     # plain decoding from now on
@@ -128,7 +128,7 @@ def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(
 def test_requests_fail_clearly_once_every_target_worker_is_dead_for_good(ray_session, llama_pair):
     rt = start_runtime(llama_pair, max_worker_restarts=0, target_down_timeout_s=600)
     try:
-        (victim,) = alive_pids("TargetWorker")
+        (victim,) = alive_pids("TargetActor")
         start = time.monotonic()
         try:
             kill_mid_generation(rt, victim)

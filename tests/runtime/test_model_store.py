@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import specray
-from specray import model_store
-from specray.cli import main
+from specray.runtime import model_store
+from specray.runtime.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_a_missing_builtin_model_says_where_it_looked(tmp_path, monkeypatch):
     assert str(e.value) == (f"the built-in model 'tiny-target' is not installed (looked in {installed} and "
                             f"{clone}); reinstall specray, or pass the path of a model directory")
     # The CLI's defaults then ask for --target instead.
-    from specray.cli_args import builtin_model
+    from specray.runtime.cli_args import builtin_model
     assert builtin_model("tiny-target") is None
 
 

@@ -47,7 +47,7 @@ def generate(cfg: RuntimeConfig):
     rt = SpecRuntime(cfg)
     try:
         outs = rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))
-        return outs, rt.metrics(), placement("DraftWorker"), placement("TargetWorker")
+        return outs, rt.metrics(), placement("DraftActor"), placement("TargetActor")
     finally:
         rt.shutdown()
 
@@ -105,7 +105,7 @@ def test_losing_a_target_node_mid_run_changes_no_output(cluster, llama_pair):
     rt = SpecRuntime(config(t, d, num_draft_workers=2, num_target_workers=2, max_worker_restarts=1,
                             placement_strategy="STRICT_SPREAD"))
     try:
-        assert sorted(placement("TargetWorker")) == sorted(cluster["target"] + [extra.node_id])
+        assert sorted(placement("TargetActor")) == sorted(cluster["target"] + [extra.node_id])
         # The driver stays on this process's node, never on a worker node that can go away.
         assert placement("Driver") == [ray.get_runtime_context().get_node_id()]
         # Before the loss: two data-parallel targets on two nodes give the plain greedy output.
@@ -131,7 +131,7 @@ def test_losing_a_draft_node_mid_run_changes_no_output(cluster, llama_pair):
     rt = SpecRuntime(config(t, d, num_draft_workers=2, max_worker_restarts=1))
     try:
         nodes = {n.node_id: n for n in CLUSTER_REF["cluster"].worker_nodes}
-        outs, streamed = run_and_remove_node_midway(rt, nodes[placement("DraftWorker")[0]])
+        outs, streamed = run_and_remove_node_midway(rt, nodes[placement("DraftActor")[0]])
         expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
         assert [o.token_ids for o in outs] == expected
         assert streamed == hf_greedy(t, [prompts()[0]], 40)[0]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specray.config import RuntimeConfig
-from specray.driver import DriverCore
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6], [12] * 7]
@@ -70,8 +70,8 @@ def test_greedy_outputs_equal_serial_through_actors(llama_pair, ray_module):
 
 def test_overlap_stays_off_unless_asked_and_off_when_colocated(llama_pair):
     target, draft = llama_pair
-    assert not config(target, draft).overlapped
-    assert config(target, draft, overlap=True).overlapped
-    assert not config(target, draft, overlap=True, colocate=True).overlapped
+    assert not config(target, draft).speculation.overlap
+    assert config(target, draft, overlap=True).speculation.overlap
+    assert not config(target, draft, overlap=True, colocate=True).speculation.overlap
     with pytest.raises(ValueError, match="overlap must be True or False"):
         config(target, draft, overlap="yes")

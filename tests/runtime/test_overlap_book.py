@@ -4,13 +4,13 @@ follows the share of branches that held (with a drift back that keeps probing)."
 
 from __future__ import annotations
 
-from specray.overlap import PredraftBook
+from specray.runtime.overlap import PredraftBook
 from specray.scheduler.messages import Predraft, StepPlan
 
 
 def plan_for(seq_ids, num_computed, fed, k=2) -> StepPlan:
     n = len(seq_ids)
-    return StepPlan(step_id=5, k=k, seq_ids=list(seq_ids), num_computed=list(num_computed),
+    return StepPlan(step_id=5, width=k, seq_ids=list(seq_ids), num_computed=list(num_computed),
                     num_new=[len(f) for f in fed], token_ids=[t for f in fed for t in f],
                     num_slots=[c + len(f) + 2 * k for c, f in zip(num_computed, fed)], proposal_lens=[k] * n,
                     temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, seeds=[0] * n)
@@ -18,7 +18,7 @@ def plan_for(seq_ids, num_computed, fed, k=2) -> StepPlan:
 
 def pre() -> Predraft:
     # Sequence 1 at base 10 guessed [4, 7]; sequence 2 at base 20 guessed [5, 8].
-    return Predraft(step_id=4, k=2, seq_ids=[1, 2], base=[10, 20], fed_lens=[2, 2], fed_token_ids=[4, 7, 5, 8],
+    return Predraft(step_id=4, width=2, seq_ids=[1, 2], base=[10, 20], fed_lens=[2, 2], fed_token_ids=[4, 7, 5, 8],
                     proposal_lens=[2, 2], token_ids=[30, 31, 40, 41])
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specray_testing import run_local
-from specray import model_store
-from specray.config import RuntimeConfig
+from specray.runtime import model_store
+from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -112,7 +112,9 @@ def test_streamed_japanese_equals_the_final_text(smollm2, hf, ray_module):
 
 
 def test_bench_without_a_draft_on_quoting_prompts(smollm2, ray_module, tmp_path):
-    from specray.bench import BenchSettings, format_table, run_bench
+    from specray.runtime.bench.report import format_table
+    from specray.runtime.bench.run import run_bench
+    from specray.runtime.bench.settings import BenchSettings
 
     s = BenchSettings(target=smollm2, draft=None, batch_sizes=(1,), max_tokens=24, repeats=1, prompt_set="quote",
                       device="cpu", dtype="float32", colocate=True, progress=False, out_dir=str(tmp_path))
@@ -133,7 +135,7 @@ def test_bench_without_a_draft_on_quoting_prompts(smollm2, ray_module, tmp_path)
 def test_chat_equals_transformers_generate_on_the_templated_ids(smollm2, hf):
     """The instruct model's own chat template, applied by the driver: the prompt ids are
     transformers' apply_chat_template's, and greedy output equals its generate on them."""
-    from specray.chat import ChatPrompt
+    from specray.runtime.chat import ChatPrompt
 
     _, tok = hf
     conversations = [[{"role": "user", "content": "What is the capital of France?"}],

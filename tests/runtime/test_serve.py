@@ -24,7 +24,7 @@ print(json.dumps(runs))
 
 
 def cli(args, env, timeout=180):
-    return subprocess.run([sys.executable, "-m", "specray.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specray.runtime.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from specray_testing import hf_greedy, make_pair, run_local, word_tokenizer
-from specray.config import RuntimeConfig
+from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams
 
 TEXTS = ["w5 w9 w14 w5 w9", "w33"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specray_testing import hf_greedy, run_local
-from specray.config import RuntimeConfig
-from specray.driver import DriverCore
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 
@@ -59,9 +59,9 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
 def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, monkeypatch):
     """The workers start while the driver reads the configs; a refusal (here a draft with
     another tokenizer) calls the start off instead of waiting for the models to load."""
-    import specray.driver
+    import specray.runtime.driver
     from specray_testing import disagreeing_pair
-    from specray.worker_pool import StartCancelled
+    from specray.runtime.worker_pool import StartCancelled
 
     seen = []
 
@@ -70,7 +70,7 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, m
         seen.append(cancel.wait(timeout=120))
         raise StartCancelled("called off")
 
-    monkeypatch.setattr(specray.driver, "start_workers", start_workers)
+    monkeypatch.setattr(specray.runtime.driver, "start_workers", start_workers)
     t, other_draft = disagreeing_pair(tmp_path)
     with pytest.raises(ValueError, match="do not share a tokenizer"):
         DriverCore(RuntimeConfig(target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"),

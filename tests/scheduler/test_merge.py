@@ -1,13 +1,16 @@
-"""merge_proposals: shards of any size and order land in the target batch's order."""
+"""merge_proposals: shards of any size and order land in the target plan's order, as a
+new plan (the one scheduled is left as it was)."""
 
 from __future__ import annotations
 
+import copy
 import random
+from dataclasses import dataclass
 
 import pytest
 
-from specray.scheduler.merge import MergedProposals, merge_proposals
-from specray.scheduler.messages import Proposals
+from specray.scheduler.merge import merge_proposals as merge_into
+from specray.scheduler.messages import Proposals, StepPlan
 
 
 def shard(k: int, rows: dict[int, list[int]], has_probs: bool = True) -> Proposals:
@@ -15,8 +18,31 @@ def shard(k: int, rows: dict[int, list[int]], has_probs: bool = True) -> Proposa
     toks: list[int] = []
     for t in rows.values():
         toks.extend(t + [-1] * (k - len(t)))
-    return Proposals(step_id=1, k=k, has_probs=has_probs, seq_ids=list(rows),
+    return Proposals(step_id=1, width=k, has_probs=has_probs, seq_ids=list(rows),
                      proposal_lens=[len(t) for t in rows.values()], token_ids=toks)
+
+
+@dataclass
+class MergedProposals:
+    token_ids: list[int]
+    proposal_lens: list[int]
+    draft_rows: list[int]
+
+
+def merge_proposals(seq_ids: list[int], k: int, shards: list[Proposals]) -> MergedProposals:
+    """The merge into a target plan of ``seq_ids`` (each planned to propose ``k``), read
+    back; the plan handed in must come back unchanged."""
+    n = len(seq_ids)
+    plan = StepPlan(step_id=1, width=k, seq_ids=list(seq_ids), num_computed=[0] * n, num_new=[1] * n,
+                    token_ids=[0] * n, num_slots=[1 + k] * n, proposal_lens=[k] * n, temperature=[0.0] * n,
+                    top_k=[0] * n, top_p=[1.0] * n, seeds=[0] * n)
+    before = copy.deepcopy(plan)
+    merged = merge_into(plan, shards)
+    assert plan == before, "the scheduled plan was rewritten"
+    merged.validate()
+    rest = {f: getattr(merged, f) for f in ("seq_ids", "num_computed", "num_new", "token_ids", "num_slots", "seeds")}
+    assert rest == {f: getattr(before, f) for f in rest}
+    return MergedProposals(merged.proposal_token_ids, merged.proposal_lens, merged.draft_rows)
 
 
 def test_docstring_example():
@@ -63,7 +89,7 @@ def test_row_offsets_accumulate_over_shards_with_probs_including_zero_length_row
 
 
 def test_padding_beyond_proposal_len_is_not_trusted_from_the_shard():
-    s = Proposals(step_id=1, k=3, has_probs=False, seq_ids=[1], proposal_lens=[1], token_ids=[5, 99, 98])
+    s = Proposals(step_id=1, width=3, has_probs=False, seq_ids=[1], proposal_lens=[1], token_ids=[5, 99, 98])
     m = merge_proposals([1], 3, [s])
     assert m.token_ids == [5, -1, -1]
 
@@ -75,9 +101,9 @@ def test_other_workers_sequences_are_skipped_but_keep_their_rows():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="k=3"):
+    with pytest.raises(ValueError, match="width 3"):
         merge_proposals([1, 2], 2, [shard(3, {1: [1]})])
-    with pytest.raises(ValueError, match="k=2"):
+    with pytest.raises(ValueError, match="width 2"):
         merge_proposals([1, 2], 3, [shard(3, {1: [1]}), shard(2, {2: [1]})])
 
 

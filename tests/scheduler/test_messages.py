@@ -26,7 +26,7 @@ INT64_MAX = 2**63 - 1
 
 def make_plan(n: int = 5, k: int = 3, seed: int = 0, with_proposals: bool = True) -> StepPlan:
     rng = random.Random(seed)
-    p = StepPlan(step_id=2**31 + 17, k=k, free_seq_ids=[2**40 + 3, 9, INT64_MAX])
+    p = StepPlan(step_id=2**31 + 17, width=k, free_seq_ids=[2**40 + 3, 9, INT64_MAX])
     for i in range(n):
         computed = rng.randrange(0, 3000)
         new = rng.randrange(1, 6)
@@ -53,12 +53,13 @@ def make_proposals(n: int = 4, k: int = 4) -> Proposals:
     toks = []
     for i, m in enumerate(lens):
         toks.extend([100 * i + j for j in range(m)] + [-1] * (k - m))
-    return Proposals(step_id=7, k=k, has_probs=True, compute_s=0.0123, seq_ids=[2**35 + i for i in range(n)],
+    return Proposals(step_id=7, width=k, has_probs=True, compute_s=0.0123, seq_ids=[2**35 + i for i in range(n)],
                      proposal_lens=lens, token_ids=toks)
 
 
 def make_result() -> StepResult:
-    return StepResult(step_id=INT64_MAX, compute_s=1e-4, seq_ids=[2**32, 5, 2**62], num_emitted=[1, 4, 2],
+    return StepResult(step_id=INT64_MAX, compute_s=1e-4, seq_ids=[2**32, 5, 2**62], num_proposed=[0, 4, 3],
+                      num_emitted=[1, 4, 2],
                       token_ids=[0, 151_935, 2**31 - 1, 3, 4, 5, 6])
 
 
@@ -152,7 +153,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 2, 4, -1, 2**40, "3", None, True, [3], b"\x03"])
+@pytest.mark.parametrize("version", [0, 3, 5, -1, 2**40, "4", None, True, [4], b"\x04"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version
@@ -161,7 +162,7 @@ def test_wrong_protocol_version(version):
 
 def test_float_protocol_version_is_rejected():
     obj = raw(make_result())
-    obj[0] = 3.0
+    obj[0] = 4.0
     assert_protocol_error(pack(obj), match="version")
 
 
@@ -193,8 +194,8 @@ def field_index(cls, name: str) -> int:
 
 @pytest.mark.parametrize("cls,name,value", [
     (StepPlan, "step_id", "1"),          # str where int
-    (StepPlan, "k", True),               # bool where int
-    (StepPlan, "k", 3.0),                # float where int
+    (StepPlan, "width", True),           # bool where int
+    (StepPlan, "width", 3.0),            # float where int
     (StepPlan, "step_id", None),
     (StepPlan, "step_id", b"\x01"),
     (StepPlan, "seq_ids", 5),            # int where packed bytes
@@ -203,7 +204,7 @@ def field_index(cls, name: str) -> int:
     (StepPlan, "seeds", None),
     (Proposals, "has_probs", 1),         # int where bool
     (Proposals, "has_probs", "true"),
-    (Proposals, "k", False),
+    (Proposals, "width", False),
     (Proposals, "token_ids", 0),
     (StepResult, "step_id", 1.5),
     (StepResult, "compute_s", 1),        # int where float
@@ -251,7 +252,7 @@ def test_inconsistent_plan_lengths():
     assert_protocol_error(with_field(p, draft_rows=p.draft_rows[:3]), match="draft_rows")
     for name in ("num_computed", "num_slots", "proposal_lens", "temperature", "top_k", "top_p", "seeds"):
         assert_protocol_error(with_field(p, **{name: getattr(p, name)[:3]}), match=name)
-    assert_protocol_error(with_field(p, k=-1, proposal_token_ids=[]), match="k")
+    assert_protocol_error(with_field(p, width=-1, proposal_token_ids=[]), match="width")
     assert_protocol_error(with_field(p, proposal_lens=[4, 0, 0, 0]), match="proposal_lens")
     assert_protocol_error(with_field(p, proposal_lens=[-1, 0, 0, 0]), match="proposal_lens")
     assert_protocol_error(with_field(p, num_slots=[0] * 4), match="num_slots")
@@ -261,8 +262,8 @@ def test_inconsistent_plan_lengths():
     assert_protocol_error(with_field(p, num_new=neg), match="negative")
 
 
-def test_negative_proposals_k_is_rejected():
-    assert_protocol_error(with_field(Proposals(), k=-1), match="k")
+def test_negative_proposals_width_is_rejected():
+    assert_protocol_error(with_field(Proposals(), width=-1), match="width")
 
 
 def test_inconsistent_proposals_and_result_lengths():
@@ -270,11 +271,14 @@ def test_inconsistent_proposals_and_result_lengths():
     assert_protocol_error(with_field(q, token_ids=q.token_ids[:-1]), match="token_ids")
     assert_protocol_error(with_field(q, proposal_lens=q.proposal_lens[:-1]), match="proposal_lens")
     assert_protocol_error(with_field(q, proposal_lens=[5, 0, 0, 0]), match="proposal_lens")
-    assert_protocol_error(with_field(q, k=3), match="token_ids")
+    assert_protocol_error(with_field(q, width=3), match="token_ids")
     r = make_result()
     assert_protocol_error(with_field(r, token_ids=r.token_ids[:-1]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[1, 4]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[0, 5, 2]), match="num_emitted")
+    assert_protocol_error(with_field(r, num_proposed=[0, 4]), match="num_proposed")
+    # more emitted than proposed + 1: the target cannot accept what was not proposed
+    assert_protocol_error(with_field(r, num_proposed=[0, 2, 3]), match="num_proposed")
     for bad in (-1.0, float("inf"), float("nan")):
         assert_protocol_error(with_field(r, compute_s=bad), match="compute_s")
         assert_protocol_error(with_field(q, compute_s=bad), match="compute_s")
@@ -287,8 +291,8 @@ def test_decode_without_validation_skips_only_the_cross_field_checks():
     assert decode(inconsistent, StepPlan, validate=False).seq_ids == [p.seq_ids[0]] * 4
     assert_protocol_error(inconsistent, expected=StepPlan, match="repeats")
     obj = raw(p)
-    obj[2][field_index(StepPlan, "k")] = "3"
-    with pytest.raises(ProtocolError, match="k"):
+    obj[2][field_index(StepPlan, "width")] = "3"
+    with pytest.raises(ProtocolError, match="width"):
         decode(pack(obj), StepPlan, validate=False)
 
 
@@ -351,7 +355,7 @@ def test_fuzz_only_protocol_error_escapes():
 
 def big_plan(n: int = 64, k: int = 4) -> StepPlan:
     rng = random.Random(5)
-    p = StepPlan(step_id=1, k=k)
+    p = StepPlan(step_id=1, width=k)
     for i in range(n):
         p.seq_ids.append(2**40 + i)
         p.num_computed.append(0)
@@ -380,7 +384,7 @@ def test_packed_encoding_has_no_per_item_overhead():
             nbytes = ITEMSIZE[code] * len(getattr(p, f.name))
             payload += nbytes
             fixed.append(b"\x00" * nbytes)
-    # exactly the fixed-width payload plus msgpack's framing of 17 fields
+    # exactly the fixed-width payload plus msgpack's framing of 15 fields
     assert len(encode(p)) == len(pack([PROTOCOL_VERSION, "StepPlan", fixed]))
     assert len(encode(p)) - payload < 64
 
@@ -392,11 +396,11 @@ def test_packed_encoding_beats_plain_lists_for_64bit_fields():
     p = big_plan()
     values = dict(zip([f.name for f in fields(StepPlan)], raw(p)[2]))
     wide = [f.name for f in fields(StepPlan) if f.metadata.get("pack") in ("q", "d")]
-    assert sorted(wide) == ["free_seq_ids", "min_reach", "reach_map", "seeds", "seq_ids", "temperature", "top_p"]
+    assert sorted(wide) == ["free_seq_ids", "seeds", "seq_ids", "temperature", "top_p"]
     packed = sum(len(pack(values[name])) for name in wide)
     lists = sum(len(pack(getattr(p, name))) for name in wide)
     items = sum(len(getattr(p, name)) for name in wide)
     assert items == 4 * 64
-    assert packed == 8 * items + 3 * 4 + 2 * 3  # bin16 headers for 512-byte fields, bin8 for the 3 empty
-    assert lists == 9 * items + 3 * 4 + 1 * 3   # array16 headers, fixarray for empty
+    assert packed == 8 * items + 3 * 4 + 2 * 1  # bin16 headers for 512-byte fields, bin8 for the empty one
+    assert lists == 9 * items + 3 * 4 + 1 * 1   # array16 headers, fixarray for empty
     assert packed < lists

@@ -10,12 +10,16 @@ import pytest
 
 from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Predraft, ProtocolError, StepPlan, decode, encode
-from specray.scheduler.predraft import branches, match, window
+from specray.scheduler.predraft import all_held, branches, window
+
+
+def match(plan: StepPlan, pre: Predraft) -> list[int] | None:
+    return all_held(branches(plan, pre))
 
 
 def plan_for(seq_ids, num_computed, fed, proposal_lens, k=3, **kw) -> StepPlan:
     n = len(seq_ids)
-    return StepPlan(step_id=2, k=k, seq_ids=list(seq_ids), num_computed=list(num_computed),
+    return StepPlan(step_id=2, width=k, seq_ids=list(seq_ids), num_computed=list(num_computed),
                     num_new=[len(f) for f in fed], token_ids=[t for f in fed for t in f],
                     num_slots=[c + len(f) + k for c, f in zip(num_computed, fed)], proposal_lens=list(proposal_lens),
                     temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, seeds=[0] * n, **kw)
@@ -24,10 +28,9 @@ def plan_for(seq_ids, num_computed, fed, proposal_lens, k=3, **kw) -> StepPlan:
 def predraft() -> Predraft:
     # Sequence 7 proposed [5, 6] at 10: rejected at 0 (guess 9 or 8), at 1 (guess 4), or
     # all accepted (the draft caught up on 6, bonus guess 2). Sequence 8: one branch.
-    return Predraft(step_id=1, k=3, seq_ids=[7, 7, 7, 7, 8], base=[10, 10, 11, 11, 20],
+    return Predraft(step_id=1, width=3, seq_ids=[7, 7, 7, 7, 8], base=[10, 10, 11, 11, 20],
                     fed_lens=[1, 1, 1, 2, 1], fed_token_ids=[9, 8, 4, 6, 2, 1],
-                    proposal_lens=[3, 3, 3, 3, 2], token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -1],
-                    confidence=[0.9, 0.9, 0.9, 0.9, 0.2, 0.9, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 0.8, 0.8, 0.0])
+                    proposal_lens=[3, 3, 3, 3, 2], token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -1])
 
 
 def test_a_branch_holds_only_for_the_exact_state_it_assumed():
@@ -56,7 +59,7 @@ def test_a_window_is_the_branch_cut_to_the_plan():
     plan = plan_for([7, 8], [10, 20], [[9], [1]], [2, 2])
     got = window(plan, pre, [0, 4])
     assert got.proposal_lens == [2, 2] and got.token_ids == [1, 2, -1, 13, 14, -1]
-    assert got.confidence == [] and not got.has_probs
+    assert not got.has_probs
 
 
 def test_a_window_points_its_probabilities_at_the_branch_rows():
@@ -67,9 +70,9 @@ def test_a_window_points_its_probabilities_at_the_branch_rows():
     # Merged beside a shard of 2 rows that came first, rows index the concatenation.
     from specray.scheduler.messages import Proposals
 
-    other = Proposals(step_id=2, k=3, has_probs=True, seq_ids=[1, 2], proposal_lens=[1, 1],
+    other = Proposals(step_id=2, width=3, has_probs=True, seq_ids=[1, 2], proposal_lens=[1, 1],
                       token_ids=[5, -1, -1, 6, -1, -1])
-    merged = merge_proposals([7, 1, 8], 3, [other, shard])
+    merged = merge_proposals(plan_for([7, 1, 8], [11, 0, 20], [[4], [1], [1]], [3, 1, 1]), [other, shard])
     assert merged.draft_rows == [2 + 2, 0, 2 + 4]
 
 

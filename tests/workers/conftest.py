@@ -1,5 +1,5 @@
 """Shared fixtures for the worker tests: tiny random checkpoints saved to disk (loaded through
-the real ``WorkerConfig`` path), the plain Hugging Face reference model, and a StepPlan builder.
+the workers' real loading path), the plain Hugging Face reference model, and a StepPlan builder.
 
 Random tiny models are initialised with a large ``initializer_range`` so their logits are
 spread out: greedy comparisons then never hinge on near-ties below float32 noise.
@@ -74,12 +74,12 @@ def hf_greedy(model, tokens: list[int], n: int) -> list[int]:
     return seq[len(tokens):]
 
 
-def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, k=0, proposal_lens=None,
+def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, proposal_lens=None,
               proposal_token_ids=None, draft_rows=None, temperature=None, top_k=None, top_p=None,
               seeds=None, free_seq_ids=(), step_id=0) -> StepPlan:
     """A StepPlan the way the driver fills it; per-sequence knobs default to greedy/off."""
     n = len(seq_ids)
-    plan = StepPlan(step_id=step_id, k=k, seq_ids=list(seq_ids), num_computed=list(num_computed),
+    plan = StepPlan(step_id=step_id, width=width, seq_ids=list(seq_ids), num_computed=list(num_computed),
                     num_new=list(num_new), token_ids=list(token_ids), num_slots=list(num_slots),
                     proposal_lens=list(proposal_lens) if proposal_lens is not None else [0] * n,
                     proposal_token_ids=list(proposal_token_ids or []),

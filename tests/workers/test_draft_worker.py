@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specray_testing import worker_configs
 from specray.workers.draft_worker import DraftWorker
-from specray.workers.worker_config import WorkerConfig
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
 VOCAB = 96
@@ -22,7 +22,8 @@ def draft_path(tiny_model):
 
 @pytest.fixture(scope="module")
 def worker(draft_path):
-    return DraftWorker(WorkerConfig(model=draft_path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64))
+    # The draft as its own target: nothing else bounds its window or vocabulary.
+    return DraftWorker(*worker_configs(draft_path, draft_path))
 
 
 def _rand(g, n):
@@ -36,12 +37,12 @@ def draft_plan(plan_builder, seqs, k_i, *, computed=None, step_id=1, free=(), **
     computed = computed or {s: 0 for s in sids}
     toks = [t for s in sids for t in seqs[s][computed[s]:]]
     return plan_builder(sids, [computed[s] for s in sids], [len(seqs[s]) - computed[s] for s in sids], toks,
-                        [len(seqs[s]) + k - 1 for s, k in zip(sids, k_i)], k=K, proposal_lens=k_i,
+                        [len(seqs[s]) + k - 1 for s, k in zip(sids, k_i)], width=K, proposal_lens=k_i,
                         free_seq_ids=free, step_id=step_id, **knobs)
 
 
 def rows(props):
-    return [props.token_ids[i * props.k:(i + 1) * props.k] for i in range(len(props.seq_ids))]
+    return [props.token_ids[i * props.width:(i + 1) * props.width] for i in range(len(props.seq_ids))]
 
 
 def test_greedy_proposals_match_hf_with_catch_up(worker, draft_path, hf_model, hf_ref, plan_builder):
@@ -134,9 +135,9 @@ def test_sampled_proposals_carry_their_distributions(worker, draft_path, hf_mode
 
 def test_empty_plan_only_frees(worker, plan_builder):
     sids = [50, 51]
-    worker.propose(plan_builder(sids, [0, 0], [3, 2], [1, 2, 3, 4, 5], [5, 4], k=K, proposal_lens=[3, 3]))
+    worker.propose(plan_builder(sids, [0, 0], [3, 2], [1, 2, 3, 4, 5], [5, 4], width=K, proposal_lens=[3, 3]))
     used = worker.runner.kv.blocks.num_used_blocks
-    props, probs = worker.propose(plan_builder([], [], [], [], [], k=K, free_seq_ids=sids))
+    props, probs = worker.propose(plan_builder([], [], [], [], [], width=K, free_seq_ids=sids))
     assert props.seq_ids == [] and probs is None
     assert worker.runner.kv.blocks.num_used_blocks == used - 3
 
@@ -150,77 +151,9 @@ def test_empty_plan_only_frees(worker, plan_builder):
 def test_window_is_the_smallest_of_the_figures_the_worker_reads(tiny_model, draft_path, plan_builder, max_model_len,
                                                                window_of, expected):
     """Workers start before the driver has read any config, so each worker bounds its own
-    window: by the driver's max_model_len, its model's and the one named in window_of."""
-    target = tiny_model("llama", seed=22, max_position_embeddings=48)
-    w = DraftWorker(WorkerConfig(model=draft_path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
-                                 max_model_len=max_model_len, window_of=target if window_of else None))
+    window: by the driver's max_model_len, its model's and its target's."""
+    target = tiny_model("llama", seed=22, max_position_embeddings=48) if window_of else draft_path
+    w = DraftWorker(*worker_configs(target, draft_path, max_model_len=max_model_len))
     assert w.runner.max_model_len == expected
     with pytest.raises(ValueError, match=f"max_model_len is {expected}"):
         w.propose(draft_plan(plan_builder, {1: list(range(expected + 1))}, [1]))
-
-
-def _reach(probs: list[float], reach_map: list[float]) -> list[float]:
-    """The chance, after each proposal, that all so far are accepted: the product of the
-    map at each proposal's decile."""
-    out, r = [], 1.0
-    for c in probs:
-        r *= reach_map[min(int(c * len(reach_map)), len(reach_map) - 1)]
-        out.append(r)
-    return out
-
-
-def test_a_draft_stops_once_its_reach_falls_below_the_floor(worker, draft_path, hf_model, hf_ref, plan_builder):
-    """Each sequence proposes until the product of the reach map at its proposals' draft
-    probabilities (transformers' softmax of the draft's logits) falls below its floor,
-    keeping the proposal that crossed it; the KV it leaves behind serves the next step."""
-    ref = hf_model(draft_path)
-    g = torch.Generator().manual_seed(4)
-    seqs = {20: _rand(g, 6), 21: _rand(g, 5), 22: _rand(g, 7), 23: _rand(g, 4)}
-    reach_map = [0.3 + 0.07 * b for b in range(10)]
-    cont, conf, reach = {}, {}, {}
-    for sid, toks in seqs.items():
-        cont[sid] = hf_ref.greedy(ref, toks, K)
-        conf[sid] = [torch.softmax(hf_ref.logits(ref, toks + cont[sid][:p])[-1].double(), -1)[cont[sid][p]].item()
-                     for p in range(K)]
-        reach[sid] = _reach(conf[sid], reach_map)
-    # Floors halfway (geometrically) between the reach after proposals 1 and 2 of 22, and
-    # after 2 and 3 of 23: far from either, whatever float32 does to the product.
-    floors = [0.0, 1.0, (reach[22][0] * reach[22][1]) ** 0.5, (reach[23][1] * reach[23][2]) ** 0.5]
-    k_i = [3, 3, 3, 3]
-    plan = draft_plan(plan_builder, seqs, k_i)
-    plan.min_reach, plan.reach_map = floors, reach_map
-    plan.validate()
-    props, _ = worker.propose(plan)
-    props.validate()
-    assert props.proposal_lens == [3, 1, 2, 3]
-    for (sid, toks), n, row in zip(seqs.items(), props.proposal_lens, rows(props)):
-        assert row == cont[sid][:n] + [-1] * (K - n), sid
-        got = props.confidence[list(seqs).index(sid) * K:][:K]
-        assert got[:n] == pytest.approx(conf[sid][:n], abs=1e-5)
-        assert got[n:] == [0.0] * (K - n)
-    worker.runner.kv.blocks.check_integrity()
-
-    # 22 stopped after 2 proposals; both accepted plus a bonus token. The driver counts
-    # L + 1 tokens cached (the last proposal never ran through the draft), and the next
-    # step, with no floors, proposes transformers' greedy continuation again.
-    new = {22: seqs[22] + cont[22][:2] + [7]}
-    props2, _ = worker.propose(draft_plan(plan_builder, new, [3], computed={22: len(seqs[22]) + 1}, step_id=2))
-    assert rows(props2)[0] == hf_ref.greedy(ref, new[22], 3)
-    assert props2.confidence == []           # no floors: no early stops, nothing to report
-    worker.runner.kv.blocks.check_integrity()
-
-
-def test_a_sampling_row_reports_the_probability_it_drew_with(worker, plan_builder):
-    g = torch.Generator().manual_seed(5)
-    seqs = {30: _rand(g, 5), 31: _rand(g, 6)}
-    plan = draft_plan(plan_builder, seqs, [3, 3], temperature=[0.7, 0.0], top_k=[0, 0], top_p=[1.0, 1.0],
-                      seeds=[1, 2])
-    plan.min_reach = [1e-9, 1e-9]          # stops asked for, none reached
-    props, probs = worker.propose(plan)
-    assert props.proposal_lens == [3, 3]
-    r = rows(props)
-    for p in range(K):
-        # The sampled row: its warped distribution; the greedy row: the plain softmax (its
-        # probs row is unused, zero).
-        assert props.confidence[p] == pytest.approx(probs[0, p, r[0][p]].item(), abs=1e-6)
-        assert 0.0 < props.confidence[K + p] <= 1.0

@@ -17,8 +17,8 @@ import torch
 from specray_testing import hf_greedy
 
 from specray.workers import llama_model
-from specray.workers.model_runner import ModelRunner
-from specray.workers.worker_config import ModelConfig, WorkerConfig
+from specray_testing import model_runner
+from specray.workers.config import ModelConfig
 
 VOCAB = 96
 BLOCK = 4
@@ -45,8 +45,7 @@ def dirs(tiny_model):
 
 
 def runner_for(path, executor="native", dtype="float32", blocks=64):
-    return ModelRunner(WorkerConfig(model=path, dtype=dtype, device="cpu", block_size=BLOCK,
-                                    num_kv_blocks=blocks, executor=executor))
+    return model_runner(path, dtype=dtype, block_size=BLOCK, num_kv_blocks=blocks, executor=executor)
 
 
 class Greedy:

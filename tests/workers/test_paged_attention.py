@@ -14,8 +14,7 @@ import types
 import pytest
 import torch
 
-from specray.workers.model_runner import ModelRunner
-from specray.workers.worker_config import WorkerConfig
+from specray_testing import model_runner
 from specray.workers.paged_attention import build_metadata, paged_attention
 
 VOCAB = 96
@@ -52,7 +51,7 @@ class Harness:
         r.kv.apply(self.plan_builder(seq_ids, computed, num_new, toks, slots, free_seq_ids=free))
         r.kv.blocks.check_integrity()
         for sid, s in zip(seq_ids, slots):
-            assert r.kv.blocks.num_slots(sid) == -(-s // BLOCK) * BLOCK     # truncation freed the rest
+            assert len(r.kv.blocks.block_table(sid)) * BLOCK == -(-s // BLOCK) * BLOCK     # truncation freed the rest
         logits = r.forward(seq_ids, computed, num_new, r.to_device(toks), r.to_device(list(range(len(toks)))))
         assert logits.shape == (len(toks), VOCAB) and logits.dtype == torch.float32
         out = {}
@@ -75,7 +74,7 @@ def model_dirs(tiny_model):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_paged_runner_matches_hf(name, model_dirs, hf_model, plan_builder, hf_ref):
     path = model_dirs[name]
-    runner = ModelRunner(WorkerConfig(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48))
+    runner = model_runner(path, block_size=BLOCK, num_kv_blocks=48)
     h = Harness(runner, hf_model(path), plan_builder, hf_ref.logits)
     g = torch.Generator().manual_seed(7)
 
@@ -122,7 +121,7 @@ def test_paged_runner_matches_hf(name, model_dirs, hf_model, plan_builder, hf_re
 
 def test_paged_runner_bfloat16_smoke(model_dirs, hf_model, plan_builder, hf_ref):
     path = model_dirs["llama"]
-    runner = ModelRunner(WorkerConfig(model=path, dtype="bfloat16", device="cpu", block_size=BLOCK, num_kv_blocks=16))
+    runner = model_runner(path, dtype="bfloat16", block_size=BLOCK, num_kv_blocks=16)
     assert runner.dtype == torch.bfloat16 and runner.kv.layers[0][0].dtype == torch.bfloat16
     g = torch.Generator().manual_seed(8)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 11)]
@@ -143,8 +142,7 @@ def test_paged_runner_bfloat16_smoke(model_dirs, hf_model, plan_builder, hf_ref)
 
 
 def test_kv_cache_apply_refuses_inconsistent_plans(model_dirs, plan_builder):
-    runner = ModelRunner(WorkerConfig(model=model_dirs["llama"], dtype="float32", device="cpu", block_size=BLOCK,
-                                      num_kv_blocks=4))
+    runner = model_runner(model_dirs["llama"], block_size=BLOCK, num_kv_blocks=4)
     # A sequence the worker does not hold (e.g. it restarted) cannot claim cached tokens.
     with pytest.raises(RuntimeError, match="restarted"):
         runner.kv.apply(plan_builder([7], [5], [1], [3], [6]))

@@ -11,13 +11,12 @@ import torch
 
 from specray_testing import hf_greedy
 
-from specray.config import RuntimeConfig
-from specray.driver import DriverCore
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 from specray.workers import step_graphs
-from specray.workers.model_runner import ModelRunner
 from specray.workers.step_graphs import StepGraphs, batch_buckets
-from specray.workers.worker_config import WorkerConfig
+from specray_testing import model_runner
 
 VOCAB = 96
 BLOCK = 4
@@ -25,8 +24,7 @@ TOL = 1e-4
 
 
 def runner_for(path, graphs: bool, max_num_seqs=8, blocks=64):
-    r = ModelRunner(WorkerConfig(model=path, dtype="float32", device="cpu", block_size=BLOCK,
-                                 num_kv_blocks=blocks, max_num_seqs=max_num_seqs, executor="native"))
+    r = model_runner(path, block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=max_num_seqs, executor="native")
     assert r.graphs is None                 # no CUDA here: the runner keeps its eager path
     if graphs:
         r.graphs = StepGraphs(r.native, r.kv, max_num_seqs, r.max_model_len, capture=False)
@@ -162,12 +160,9 @@ def test_a_failed_capture_leaves_steps_eager(tiny_model, plan_builder, monkeypat
 
 
 def test_cuda_graphs_option_is_checked_and_reaches_the_workers():
-    from specray.scheduler.config import CacheConfig
-    from specray.workers.worker_config import ModelConfig
+    from specray.workers.config import ModelConfig
 
     with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
         ModelConfig(target="t", cuda_graphs="yes")
-    off = ModelConfig(target="t", draft="d", cuda_graphs=False)
-    assert not WorkerConfig.target_of(off, CacheConfig()).cuda_graphs
-    assert not WorkerConfig.draft_of(off, CacheConfig()).cuda_graphs
+    # Workers are built from the model section itself (draft and target alike).
     assert RuntimeConfig(target="t", proposer="none", cuda_graphs=False).model.cuda_graphs is False

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.workers.worker_config import WorkerConfig
+from specray_testing import worker_configs
 from specray.workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
 from specray.workers.target_worker import TargetWorker, packed_verify_batch
 
@@ -22,7 +22,7 @@ def target_path(tiny_model):
 
 @pytest.fixture(scope="module")
 def worker(target_path):
-    return TargetWorker(WorkerConfig(model=target_path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64))
+    return TargetWorker(*worker_configs(target_path))
 
 
 def _rand(g, n):
@@ -37,7 +37,7 @@ def target_plan(plan_builder, seqs, proposals, *, computed=None, step_id=1, draf
     flat = [t for s in sids for t in proposals[s] + [-1] * (K - len(proposals[s]))]
     toks = [t for s in sids for t in seqs[s][computed[s]:]]
     return plan_builder(sids, [computed[s] for s in sids], [len(seqs[s]) - computed[s] for s in sids], toks,
-                        [len(seqs[s]) + k for s, k in zip(sids, k_i)], k=K, proposal_lens=k_i,
+                        [len(seqs[s]) + k for s, k in zip(sids, k_i)], width=K, proposal_lens=k_i,
                         proposal_token_ids=flat, draft_rows=draft_rows if draft_rows is not None else [-1] * len(sids),
                         step_id=step_id, **knobs)
 
@@ -71,6 +71,7 @@ def test_greedy_verify_matches_hf_greedy(worker, target_path, hf_model, hf_ref, 
     result = worker.verify(target_plan(plan_builder, seqs, proposals))
     result.validate()
     assert result.seq_ids == list(seqs) and result.step_id == 1
+    assert result.num_proposed == [len(proposals[s]) for s in seqs]
     assert result.num_emitted == [expect_n[s] for s in seqs]
     got = emitted_by_seq(result)
     for s in seqs:
@@ -99,9 +100,9 @@ def test_no_proposals_at_all(worker, target_path, hf_model, hf_ref, plan_builder
     ref = hf_model(target_path)
     g = torch.Generator().manual_seed(4)
     seqs = {20: _rand(g, 7), 21: _rand(g, 2)}
-    plan = plan_builder(list(seqs), [0, 0], [7, 2], seqs[20] + seqs[21], [7, 2], k=K)
+    plan = plan_builder(list(seqs), [0, 0], [7, 2], seqs[20] + seqs[21], [7, 2], width=K)
     result = worker.verify(plan)
-    assert result.num_emitted == [1, 1]
+    assert result.num_proposed == [0, 0] and result.num_emitted == [1, 1]
     assert result.token_ids == [hf_ref.greedy(ref, seqs[20], 1)[0], hf_ref.greedy(ref, seqs[21], 1)[0]]
 
 
@@ -157,13 +158,13 @@ def test_k0_step_and_frees(worker, target_path, hf_model, hf_ref, plan_builder):
     ref = hf_model(target_path)
     g = torch.Generator().manual_seed(6)
     a, b = _rand(g, 5), _rand(g, 9)
-    plan = plan_builder([60, 61], [0, 0], [5, 9], a + b, [5, 9], k=0, temperature=[0.8, 0.0], top_k=[1, 0],
+    plan = plan_builder([60, 61], [0, 0], [5, 9], a + b, [5, 9], width=0, temperature=[0.8, 0.0], top_k=[1, 0],
                         seeds=[3, 4])
     result = worker.verify(plan)
     assert result.num_emitted == [1, 1]
     assert result.token_ids == [hf_ref.greedy(ref, a, 1)[0], hf_ref.greedy(ref, b, 1)[0]]
     used = worker.runner.kv.blocks.num_used_blocks
-    result = worker.verify(plan_builder([], [], [], [], [], k=0, free_seq_ids=[60, 61]))
+    result = worker.verify(plan_builder([], [], [], [], [], width=0, free_seq_ids=[60, 61]))
     assert result.seq_ids == [] and worker.runner.kv.blocks.num_used_blocks == used - 2 - 3
     worker.runner.kv.blocks.check_integrity()
 

@@ -12,7 +12,7 @@ import torch
 from specray_testing import make_pair, word_tokenizer
 from specray.workers.draft_worker import DraftWorker
 from specray.workers.vocabulary import check_pair, id_to_token, vocabulary_mismatch
-from specray.workers.worker_config import WorkerConfig
+from specray_testing import worker_configs
 from specray.workers.sampling import logits_to_probs
 
 V, K = 97, 3
@@ -62,8 +62,7 @@ def pairs(tmp_path_factory):
 
 def draft_worker(pairs, dv):
     target, draft = pairs[dv]
-    return DraftWorker(WorkerConfig(model=draft, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
-                                    window_of=target))
+    return DraftWorker(*worker_configs(target, draft))
 
 
 def test_a_smaller_draft_gives_probabilities_over_the_target_vocabulary(pairs, plan_builder, hf_model, hf_ref):
@@ -74,14 +73,14 @@ def test_a_smaller_draft_gives_probabilities_over_the_target_vocabulary(pairs, p
     # the draft reads them as its token 0.
     seqs = {0: [5, 9, 14, 5, 9], 1: [85, 7, 96, 7, 85]}
     toks = [t for s in seqs.values() for t in s]
-    props, probs = w.propose(plan_builder(list(seqs), [0, 0], [5, 5], toks, [7, 7], k=K, proposal_lens=[K, K],
+    props, probs = w.propose(plan_builder(list(seqs), [0, 0], [5, 5], toks, [7, 7], width=K, proposal_lens=[K, K],
                                           temperature=[0.0, 0.0]))
     got = [props.token_ids[i * K:(i + 1) * K] for i in range(2)]
     assert got[0] == hf_ref.greedy(ref, seqs[0], K)
     assert got[1] == hf_ref.greedy(ref, [t if t < 80 else 0 for t in seqs[1]], K)
     assert probs is None
     # Sampling: [n, k, V_target], the draft's own distribution, zero past its vocabulary.
-    props, probs = w.propose(plan_builder([2], [0], [5], seqs[0], [7], k=K, proposal_lens=[K],
+    props, probs = w.propose(plan_builder([2], [0], [5], seqs[0], [7], width=K, proposal_lens=[K],
                                           temperature=[1.0], seeds=[3]))
     assert probs.shape == (1, K, V)
     assert bool((probs[0, :, 80:] == 0).all())
@@ -89,7 +88,7 @@ def test_a_smaller_draft_gives_probabilities_over_the_target_vocabulary(pairs, p
     torch.testing.assert_close(probs[0, 0, :80], first, atol=1e-5, rtol=0)
     # Ids past the target's vocabulary are still refused.
     with pytest.raises(ValueError, match="token_ids"):
-        w.propose(plan_builder([3], [0], [2], [4, V], [4], k=K, proposal_lens=[K]))
+        w.propose(plan_builder([3], [0], [2], [4, V], [4], width=K, proposal_lens=[K]))
 
 
 def test_a_larger_draft_never_proposes_past_the_target_vocabulary(pairs, plan_builder, hf_model, hf_ref):
@@ -104,7 +103,7 @@ def test_a_larger_draft_never_proposes_past_the_target_vocabulary(pairs, plan_bu
 
     def plan(first_id, **knobs):
         return plan_builder(list(range(first_id, first_id + n)), [0] * n, [6] * n, [t for s in seqs for t in s],
-                            [8] * n, k=K, proposal_lens=[K] * n, **knobs)
+                            [8] * n, width=K, proposal_lens=[K] * n, **knobs)
 
     a, _ = big.propose(plan(0))
     b, _ = same.propose(plan(0))

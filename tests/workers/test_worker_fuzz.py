@@ -23,12 +23,14 @@ from transformers import AutoModelForCausalLM
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
-from specray.engine import Engine, LocalCall
-from specray.scheduler.config import CacheConfig
-from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.runtime.engine import Engine
+from specray.runtime.worker_call import LocalCall
+from specray.scheduler.config import CacheConfig, SpeculationConfig
+from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
+from specray.workers.config import ModelConfig
 from specray.workers.draft_worker import DraftWorker
-from specray.workers.worker_config import PlanError, StaleCacheError, WorkerConfig
+from specray.workers.errors import PlanError, StaleCacheError
 from specray.workers.target_worker import TargetWorker
 
 VOCAB = 96
@@ -74,9 +76,9 @@ def paths(tiny_model, tmp_path_factory):
 
 
 def make_workers(paths):
-    cfg = dict(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=WORKER_BLOCKS,
-               max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS)
-    return DraftWorker(WorkerConfig(model=paths[0], **cfg)), TargetWorker(WorkerConfig(model=paths[1], **cfg))
+    model = ModelConfig(target=paths[1], draft=paths[0], dtype="float32", device="cpu", max_model_len=MAX_LEN)
+    cache = CacheConfig(block_size=BLOCK, num_kv_blocks=WORKER_BLOCKS, max_num_seqs=MAX_SEQS)
+    return DraftWorker(model, cache), TargetWorker(model, cache)
 
 
 def prompts():
@@ -86,9 +88,8 @@ def prompts():
 
 def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
     """The real engine's step loop over in-process workers, every message through the codec."""
-    sched = Scheduler(SchedulerConfig(target_max_len=MAX_LEN, max_speculative_tokens=K, draft_max_len=128,
-                                      cache=CacheConfig(block_size=BLOCK, max_num_seqs=MAX_SEQS)),
-                      BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK))
+    sched = Scheduler(CacheConfig(block_size=BLOCK, max_num_seqs=MAX_SEQS), SpeculationConfig(num_speculative_tokens=K),
+                      MAX_LEN, BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK), draft_max_len=128)
 
     def propose(plan):
         props, probs = draft.propose(decode(encode(plan), StepPlan))
@@ -145,7 +146,7 @@ class Fuzzer:
             props, probs = w.propose(plan)
             decode(encode(props), Proposals)              # what the actor sends, what the driver reads
             if probs is not None:
-                assert probs.shape == (plan.num_seqs, plan.k, VOCAB)
+                assert probs.shape == (plan.num_seqs, plan.width, VOCAB)
         else:
             res = w.verify(plan, *shards)
             res = decode(encode(res), StepResult)
@@ -176,7 +177,7 @@ class Fuzzer:
         # fuzz never takes the blocks the driver's mirror counts on.
         extra = [s for s in w.runner.kv.blocks._tables if s not in KEEP]
         if extra:
-            self.call(role, decode(encode(StepPlan(step_id=0, k=K, free_seq_ids=extra)), StepPlan), ())
+            self.call(role, decode(encode(StepPlan(step_id=0, width=K, free_seq_ids=extra)), StepPlan), ())
 
     def run(self, n: int) -> None:
         for _ in range(n):
@@ -218,7 +219,7 @@ class Fuzzer:
         rng = self.rng
         n, k = rng.randint(0, 3), rng.randint(0, K)
         per_seq = lambda make: [make() for _ in range(n)]  # noqa: E731
-        plan = StepPlan(step_id=rng.getrandbits(32), k=k)
+        plan = StepPlan(step_id=rng.getrandbits(32), width=k)
         plan.seq_ids = per_seq(lambda: rng.choice(SCRATCH + (rng.getrandbits(63),)))
         plan.num_computed = per_seq(lambda: rng.choice((0, rng.randint(0, 40), rng.getrandbits(31))))
         plan.num_new = per_seq(lambda: rng.randint(0, 3))
@@ -246,7 +247,7 @@ class Fuzzer:
         frees = [s for s in SCRATCH if s not in sids and rng.random() < 0.2]
         frees += [rng.choice((5555, 2**62))] * (rng.random() < 0.2)
         with_props = role == "target" and rng.random() < 0.8
-        plan = StepPlan(step_id=rng.randrange(1 << 20), k=K, free_seq_ids=frees)
+        plan = StepPlan(step_id=rng.randrange(1 << 20), width=K, free_seq_ids=frees)
         rows = 0
         for sid in sids:
             k_i = rng.randint(0, K)
@@ -286,7 +287,7 @@ def _pick(f, plan, pred=lambda i: True):
 
 
 def _held(f, role, plan, sid):
-    return 0 if sid in plan.free_seq_ids else f.workers[role].runner.kv.blocks.num_slots(sid)
+    return 0 if sid in plan.free_seq_ids else len(f.workers[role].runner.kv.blocks.block_table(sid)) * BLOCK
 
 
 def _lookahead(role, plan, i):
@@ -325,7 +326,7 @@ def mut_beyond_slots(f, role, plan, shards):
 def mut_beyond_written(f, role, plan, shards):
     kv = f.workers[role].runner.kv
     i = _pick(f, plan, lambda i: plan.seq_ids[i] not in plan.free_seq_ids
-              and kv.written.get(plan.seq_ids[i], 0) < kv.blocks.num_slots(plan.seq_ids[i]))
+              and kv.written.get(plan.seq_ids[i], 0) < len(kv.blocks.block_table(plan.seq_ids[i])) * BLOCK)
     if i is None:
         return None
     plan.num_computed[i] = c = kv.written[plan.seq_ids[i]] + 1
@@ -360,7 +361,7 @@ def _hogs(f, plan, n):
         plan.top_p.append(1.0)
         plan.seeds.append(0)
         if plan.proposal_token_ids:
-            plan.proposal_token_ids.extend([-1] * plan.k)
+            plan.proposal_token_ids.extend([-1] * plan.width)
             plan.draft_rows.append(-1)
 
 
@@ -375,8 +376,8 @@ def mut_too_many_seqs(f, role, plan, shards):
     return plan, shards, PlanError, False
 
 
-def mut_huge_k(f, role, plan, shards):
-    plan.k = f.rng.choice((MAX_LEN + 1, 2**40, 2**63 - 1))
+def mut_huge_width(f, role, plan, shards):
+    plan.width = f.rng.choice((MAX_LEN + 1, 2**40, 2**63 - 1))
     plan.proposal_token_ids, plan.draft_rows = [], []
     return plan, (), PlanError, False
 
@@ -434,8 +435,8 @@ def mut_bad_shard(f, role, plan, shards):
     return plan, (bad,) + tuple(shards), PlanError, False
 
 
-def mut_lens_over_k(f, role, plan, shards):
-    plan.proposal_lens[f.rng.randrange(plan.num_seqs)] = plan.k + 1
+def mut_lens_over_width(f, role, plan, shards):
+    plan.proposal_lens[f.rng.randrange(plan.num_seqs)] = plan.width + 1
     return plan, shards, ProtocolError, False
 
 
@@ -469,8 +470,8 @@ def mut_unknown_frees(f, role, plan, shards):
 
 MUTATIONS = [(fn.__name__[4:], fn) for fn in (
     mut_dup_seq, mut_unknown_seq, mut_beyond_slots, mut_beyond_written, mut_short_slots, mut_slots_over_len,
-    mut_out_of_blocks, mut_too_many_seqs, mut_huge_k, mut_token_oob, mut_num_new_zero, mut_free_and_use,
-    mut_proposal_oob, mut_draft_row_oob, mut_bad_shard, mut_lens_over_k, mut_ragged_in_process,
+    mut_out_of_blocks, mut_too_many_seqs, mut_huge_width, mut_token_oob, mut_num_new_zero, mut_free_and_use,
+    mut_proposal_oob, mut_draft_row_oob, mut_bad_shard, mut_lens_over_width, mut_ragged_in_process,
     mut_extreme_knobs, mut_unknown_frees)]
 
 
@@ -502,15 +503,15 @@ def test_refused_plan_leaves_no_partial_state(paths, plan_builder):
     the plan left the earlier ones truncated or grown."""
     draft, _ = make_workers(paths)
     kv = draft.runner.kv
-    draft.propose(plan_builder([1, 2], [0, 0], [6, 6], list(range(12)), [8, 8], k=K, proposal_lens=[3, 3]))
+    draft.propose(plan_builder([1, 2], [0, 0], [6, 6], list(range(12)), [8, 8], width=K, proposal_lens=[3, 3]))
     before = state(draft)
     with pytest.raises(StaleCacheError):      # seq 1 would grow, seq 9 is not here
-        draft.propose(plan_builder([1, 9], [6, 4], [1, 1], [5, 5], [12, 6], k=K, proposal_lens=[1, 1]))
+        draft.propose(plan_builder([1, 9], [6, 4], [1, 1], [5, 5], [12, 6], width=K, proposal_lens=[1, 1]))
     assert state(draft) == before
     hogs = list(range(100, 100 + MAX_SEQS - 1))
     with pytest.raises(RuntimeError, match=OUT_OF_BLOCKS):
         draft.propose(plan_builder([2] + hogs, [6] + [0] * len(hogs), [1] * MAX_SEQS, [1] * MAX_SEQS,
-                                   [MAX_LEN] * MAX_SEQS, k=K, proposal_lens=[0] * MAX_SEQS))
+                                   [MAX_LEN] * MAX_SEQS, width=K, proposal_lens=[0] * MAX_SEQS))
     assert state(draft) == before
     kv.blocks.check_integrity()
 
@@ -523,25 +524,25 @@ def test_growth_may_use_blocks_a_later_sequence_frees(paths, plan_builder):
     per_seq = MAX_LEN // BLOCK
     n_fill = (WORKER_BLOCKS - 1 - per_seq) // per_seq
     fill = list(range(500, 500 + n_fill))
-    target.verify(plan_builder(fill, [0] * n_fill, [1] * n_fill, [1] * n_fill, [MAX_LEN] * n_fill, k=0))
-    target.verify(plan_builder([1, 2], [0, 0], [4, 4], list(range(8)), [4, MAX_LEN], k=0))
+    target.verify(plan_builder(fill, [0] * n_fill, [1] * n_fill, [1] * n_fill, [MAX_LEN] * n_fill, width=0))
+    target.verify(plan_builder([1, 2], [0, 0], [4, 4], list(range(8)), [4, MAX_LEN], width=0))
     assert bm.num_free_blocks < per_seq - 1        # seq 1 cannot grow before seq 2 shrinks
-    target.verify(plan_builder([1, 2], [4, 4], [1, 1], [3, 3], [MAX_LEN, 5], k=0))
-    assert bm.num_slots(1) == MAX_LEN and bm.num_slots(2) == 2 * BLOCK
+    target.verify(plan_builder([1, 2], [4, 4], [1, 1], [3, 3], [MAX_LEN, 5], width=0))
+    assert len(bm.block_table(1)) * BLOCK == MAX_LEN and len(bm.block_table(2)) * BLOCK == 2 * BLOCK
     bm.check_integrity()
 
 
 def test_refusals_name_the_field_and_sequence(paths, plan_builder):
     draft, target = make_workers(paths)
-    draft.propose(plan_builder([5], [0], [3], [1, 2, 3], [5], k=K, proposal_lens=[3]))
+    draft.propose(plan_builder([5], [0], [3], [1, 2, 3], [5], width=K, proposal_lens=[3]))
     cases = [
-        (draft, plan_builder([5], [6], [1], [4], [7], k=K), "num_computed[0]: sequence 5 has 5 tokens written"),
-        (draft, plan_builder([5], [3], [1], [4], [5], k=K, proposal_lens=[3]), "num_slots[0]: sequence 5"),
-        (draft, plan_builder([5], [3], [1], [VOCAB], [6], k=K), "token_ids[0] (sequence 5)"),
-        (draft, plan_builder([5], [0], [1], [4], [MAX_LEN + 1], k=K), "num_slots[0]: sequence 5 reserves"),
-        (target, plan_builder([6], [0], [2], [1, 2], [5], k=K, proposal_lens=[2],
+        (draft, plan_builder([5], [6], [1], [4], [7], width=K), "num_computed[0]: sequence 5 has 5 tokens written"),
+        (draft, plan_builder([5], [3], [1], [4], [5], width=K, proposal_lens=[3]), "num_slots[0]: sequence 5"),
+        (draft, plan_builder([5], [3], [1], [VOCAB], [6], width=K), "token_ids[0] (sequence 5)"),
+        (draft, plan_builder([5], [0], [1], [4], [MAX_LEN + 1], width=K), "num_slots[0]: sequence 5 reserves"),
+        (target, plan_builder([6], [0], [2], [1, 2], [5], width=K, proposal_lens=[2],
                               proposal_token_ids=[1, -1, -1], draft_rows=[-1]), "sequence 6 pads inside"),
-        (target, plan_builder([6], [0], [2], [1, 2], [5], k=K, proposal_lens=[2], proposal_token_ids=[1, 2, -1],
+        (target, plan_builder([6], [0], [2], [1, 2], [5], width=K, proposal_lens=[2], proposal_token_ids=[1, 2, -1],
                               draft_rows=[0]), "draft_rows[0]: sequence 6"),
     ]
     for worker, plan, message in cases:

@@ -1,11 +1,13 @@
-"""What a worker is built from, and how it refuses a plan: plain types without torch, so the
-driver's side (the client process that defines the actors) can name them cheaply."""
+"""What a worker is built from: the model section of ``RuntimeConfig``, handed to every
+worker whole with the cache section (``specray.scheduler.config.CacheConfig``). Plain
+types without torch, so the driver's side (the client process that defines the actors)
+can name them cheaply."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specray.scheduler.config import CacheConfig, check_choice, check_int
+from specray.scheduler.config import check_choice, check_int
 
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
@@ -43,44 +45,3 @@ class ModelConfig:
         check_choice("executor", self.executor, EXECUTORS)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
-
-
-@dataclass
-class WorkerConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = 2048   # None: the model's own
-    max_num_seqs: int = 256
-    # Another model whose context window also bounds this worker's: the draft serves the
-    # target's sequences. Read by the worker, so the driver can start workers before it
-    # has loaded any config itself.
-    window_of: str | None = None
-    executor: str = "auto"   # see ModelConfig.executor
-    cuda_graphs: bool = True  # see ModelConfig.cuda_graphs
-
-    @classmethod
-    def target_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
-        return cls._of(model.target, model, cache, None)
-
-    @classmethod
-    def draft_of(cls, model: ModelConfig, cache: CacheConfig) -> "WorkerConfig":
-        return cls._of(model.draft, model, cache, model.target)
-
-    @classmethod
-    def _of(cls, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None) -> "WorkerConfig":
-        return cls(path, dtype=model.dtype, device=model.device, block_size=cache.block_size,
-                   num_kv_blocks=cache.num_kv_blocks, max_model_len=model.max_model_len,
-                   max_num_seqs=cache.max_num_seqs, window_of=window_of,
-                   executor=model.executor, cuda_graphs=model.cuda_graphs)
-
-
-class StaleCacheError(RuntimeError):
-    """The driver counts cached tokens this worker does not hold (it restarted empty)."""
-
-
-class PlanError(ValueError):
-    """A step plan that contradicts this worker's state or limits; refused before any of
-    the worker's state changed."""

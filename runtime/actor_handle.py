@@ -1,0 +1,135 @@
+"""The driver's side of a worker actor, whichever kind: its restarts, its liveness, and
+its compiled-graph channel; and what every worker actor answers besides its step.
+
+A worker actor is restarted by Ray when it dies (``max_restarts``); meanwhile ``wait``
+raises ``WorkerLost`` and ``alive`` watches, without blocking, for it to answer again.
+Plans travel as msgpack bytes and are decoded without their cross-field checks: the
+workers' entry points run those for every caller, once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from specray.runtime.compiled_channel import CompiledChannel
+from specray.runtime.worker_call import WorkerLost
+from specray.scheduler.messages import StepPlan, encode
+from specray.workers.errors import StaleCacheError
+
+
+class WorkerActor:
+    """What the driver asks of either kind of worker actor besides its step."""
+
+    worker: object
+
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks()
+
+    def ready(self) -> bool:
+        return True
+
+
+def reply(message, probs) -> tuple[bytes, object]:
+    """A step's answer off the actor: the message encoded, tensors on the host so any node
+    can read them."""
+    return encode(message), (probs.cpu() if probs is not None else None)
+
+
+def actor_options(resources: dict[str, float], gpu: bool) -> dict:
+    """Exactly the configured resources (num_cpus 0 unless named), plus one GPU on CUDA."""
+    res = dict(resources)
+    opts = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 1 if gpu else 0)}
+    if res:
+        opts["resources"] = res
+    return opts
+
+
+class ActorHandle:
+    """A worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
+    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer.
+    With ``compiled``, step calls go through a compiled graph's channel to
+    ``step_method``, rebuilt after each restart; classic calls if it cannot be built."""
+
+    step_method = ""
+    warm_up_args: tuple = ()
+
+    def __init__(self, actor, max_restarts: int, compiled: bool = False) -> None:
+        self.actor = actor
+        self.max_restarts = max_restarts   # -1: Ray restarts it forever
+        self.losses = 0
+        self._ready = None        # a ready() call in flight while the actor is lost
+        self._asked = 0.0
+        self.channel = CompiledChannel(getattr(actor, self.step_method)) if compiled else None
+
+    @property
+    def _on_channel(self) -> bool:
+        return self.channel is not None and not self.channel.failed
+
+    def _execute(self, arg):
+        """A compiled-graph call (``_on_channel``), or None: the graph cannot be built,
+        use a classic call."""
+        try:
+            return self.channel.execute(arg)
+        except Exception as e:   # noqa: BLE001 - e.g. its graph closed by a death: ``wait`` sorts it out
+            return e
+
+    def compiled(self) -> bool:
+        return self.channel is not None and self.channel.live
+
+    def warm_up(self) -> None:
+        """Build the graph and run an empty step through it: a fresh graph's first
+        execution may take seconds, which belong to startup, not to a request."""
+        if self.channel is not None:
+            self.wait(self.submit(StepPlan(), *self.warm_up_args))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    def _get(self, ref):
+        import ray
+
+        try:
+            if isinstance(ref, BaseException):
+                raise ref
+            return CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError) as e:
+            if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
+                raise
+            # A lost call or an empty restarted worker: either way one death (a worker
+            # that is down gets no calls, so a death is not counted twice). Its graph
+            # is closed with it; a new one is built once it answers again.
+            self.losses += 1
+            if self.channel is not None:
+                self.channel.close()
+            self._ask()
+            raise WorkerLost(str(e)) from None
+
+    def gone(self) -> bool:
+        """Dead more often than Ray restarts it: it will not come back."""
+        return 0 <= self.max_restarts < self.losses
+
+    def alive(self) -> bool:
+        import ray
+
+        if self._ready is None:
+            return True
+        if self.gone():
+            return False
+        done, _ = ray.wait([self._ready], timeout=0)
+        if not done:
+            return False
+        try:
+            ray.get(self._ready)
+        except ray.exceptions.RayActorError:
+            # Called while Ray was still restarting it (or for good: then the engine's
+            # timeout decides). Ask again, at most once a second.
+            if time.monotonic() - self._asked >= 1.0:
+                self._ask()
+            return False
+        self._ready = None
+        return True
+
+    def _ask(self) -> None:
+        self._asked = time.monotonic()
+        self._ready = self.actor.ready.remote()

@@ -1,0 +1,263 @@
+"""``specray bench``: specray against plain decoding and Hugging Face on the same models.
+
+All configurations run in one process, interleaved and repeated, so machine noise hits
+them alike; medians and the min-max spread are reported. Every greedy configuration must
+produce the same tokens for the same prompt, or the run fails: a benchmark of wrong
+outputs is worthless.
+
+Without a draft (a target alone, e.g. a real checkpoint with no smaller sibling) the bench
+compares specray's prompt lookup (n-gram) and plain decoding with Hugging Face's plain and
+prompt-lookup generation; the draft rows, assisted generation and the analytic bound need
+a draft and are left out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+
+import torch
+
+from specray.runtime.bench.hf_runner import HFRunner
+from specray.runtime.bench.report import public
+from specray.runtime.bench.settings import PHASES, BenchSettings, Run
+from specray.runtime.bench.stats import analytic_speedup, batch1_ratios, paired_ratios
+
+
+class OutputCheck:
+    """First greedy output seen for each prompt is the reference for every later one."""
+
+    def __init__(self) -> None:
+        self.reference: dict[int, list[int]] = {}
+        self.mismatches: list[str] = []
+
+    def check(self, label: str, prompt_ids: list[int], outputs: list[list[int]]) -> None:
+        for i, out in zip(prompt_ids, outputs):
+            ref = self.reference.setdefault(i, out)
+            if out != ref:
+                j = next((n for n, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                self.mismatches.append(f"{label}: prompt {i} differs from the reference at token {j}")
+
+
+def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]]) -> dict:
+    """RuntimeConfig fields that let every runtime of the bench fit on one GPU. Runs
+    interleave, so all runtimes live at once, and a worker on CUDA asks Ray for a whole GPU
+    by default: on a one-GPU machine the second runtime would wait for ever. Each actor
+    that holds a GPU (a co-located driver, else each draft and target worker) asks for an
+    equal part of one instead."""
+    from specray.workers.model_loader import resolve_device
+
+    if resolve_device(s.device).type != "cuda":
+        return {}
+    holders = len(spec_configs) if s.colocate else sum(1 + (p == "draft") for p, *_ in spec_configs)
+    share = {"GPU": math.floor(100 / holders) / 100}
+    return {"target_resources": dict(share), "draft_resources": dict(share)}
+
+
+def start_runtimes(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]], max_model_len: int) -> dict:
+    """(proposer, policy, k) -> a started SpecRuntime (k None: the bench's). The first starts alone (it may start
+    Ray), the others together: a start is mostly each actor importing and loading on its
+    own, and one after another they took half a minute on two cores.
+
+    ``max_model_len``: what the bench's requests need. Each worker sizes its KV cache for
+    every sequence at full length, up to half the GPU's free memory: at a real model's
+    window that is the budget, and with every runtime on one GPU each worker would get
+    half of what the one before left, the last ones too little for the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specray import SpecRuntime
+
+    shares = gpu_shares(s, spec_configs)
+
+    def start(proposer: str, policy: str, k: int | None) -> SpecRuntime:
+        return SpecRuntime(runtime_config(s, proposer, policy, k, max_model_len, **shares))
+
+    first, rest = spec_configs[0], spec_configs[1:]
+    runtimes = {first: start(*first)}
+    with ThreadPoolExecutor(max(1, len(rest))) as ex:
+        futures = {c: ex.submit(start, *c) for c in rest}
+    failures = [f.exception() for f in futures.values() if f.exception() is not None]
+    runtimes.update((c, f.result()) for c, f in futures.items() if f.exception() is None)
+    if failures:
+        for rt in runtimes.values():
+            rt.shutdown()
+        raise failures[0]
+    return runtimes
+
+
+def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, max_model_len: int | None = None,
+                   **resources):
+    """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
+    from specray.runtime.config import RuntimeConfig
+
+    policy, _, plus = policy.partition("+")
+    policy, _, variant = policy.partition(":")
+    return RuntimeConfig(
+        target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
+        num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
+        block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+        policy_options=dict(s.variants[variant]) if variant else {}, colocate=s.colocate,
+        compiled_graph=s.compiled_graph, overlap=plus == "overlap", **resources)
+
+
+def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> list[int]:
+    """Indices of the held-out prompts a batch of ``batch_size`` serves in repeat ``rep``.
+
+    Without rotation every repeat serves the first ``batch_size``: batch 1 is one text, and
+    a policy that learns over the repeats is then measured on how well it fits that text.
+    Rotated, repeat ``rep`` serves the ``batch_size`` prompts after the first
+    ``rep * batch_size`` (wrapping around), as a server meets new requests."""
+    start = rep * batch_size if rotate else 0
+    return [(start + i) % num_prompts for i in range(batch_size)]
+
+
+def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
+    from tqdm import tqdm
+
+    from specray import SamplingParams
+    from specray.runtime.bench.prompts import bench_prompts
+    from specray.workers.model_loader import load_tokenizer
+
+    # Ray runs actors single-threaded (OMP_NUM_THREADS=1); Hugging Face here gets the same.
+    torch.set_num_threads(1)
+    tok = load_tokenizer(s.target)
+    prompts = bench_prompts(s.prompt_set, max(s.batch_sizes) * (s.repeats if s.rotate_prompts else 1), tok,
+                            s.prompt_bytes)
+    hf = HFRunner(s)
+
+    proposers = ("draft", "ngram") if s.draft else ("ngram",)
+    spec_configs = [(p, pol, None) for p in proposers for pol in s.policies]
+    spec_configs += [(p, f"adaptive:{name}", None) for p in proposers for name in s.variants]
+    if "static" not in s.policies:
+        spec_configs.append(("ngram", "static", None))     # the batch-1 prompt-lookup ratios read it
+    if s.draft and s.overlap and not s.colocate and not s.compiled_graph:
+        spec_configs += [("draft", f"{pol}+overlap", None) for pol in s.policies]
+    spec_configs.append(("none", "static", None))
+    sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k] if s.draft else []
+    # Room for the longest prompt, its tokens and the widest step's lookahead past them.
+    lookahead = max([s.k, *s.static_ks])
+    runtimes = start_runtimes(s, spec_configs + sweep, max(map(len, prompts)) + s.max_tokens + lookahead + 1)
+    # One configuration = (system, proposer, batch size, mode, policy, k).
+    plan: list[tuple[str, str, int, str, str, int | None]] = []
+    # Batch 1 always runs: the analytic bound and the assisted-generation comparison are
+    # batch-1 measurements.
+    for b in sorted(set(s.batch_sizes) | {1}):
+        for proposer, policy, k in spec_configs + (sweep if b == 1 else []):
+            plan.append(("specray", proposer, b, "greedy", policy, k))
+        plan.append(("hf", "none", b, "greedy", "static", None))
+    plan.append(("hf", "lookup", 1, "greedy", "static", None))
+    if s.draft:
+        plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
+                 ("specray", "draft", 1, "sampled", s.policies[0], None)]
+    runs = {key: Run(*key) for key in plan}
+    for run in runs.values():
+        run.overlap = run.policy.endswith("+overlap")
+    check = OutputCheck()
+    phase = {"draft_s": [], "verify_none_s": []}
+    order_seed = s.order_seed if s.order_seed is not None else random.SystemRandom().getrandbits(32)
+    order_rng = random.Random(order_seed)
+    try:
+        # Warm-up: first calls pay for allocation and lazy initialisation.
+        for rt in runtimes.values():
+            rt.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
+        hf.generate(prompts[:1], 4, False, 0.0, 0)
+        bar = tqdm(total=len(plan) * s.repeats, desc="bench", disable=not s.progress, unit="run")
+        for rep in range(s.repeats):
+            for key in run_order(plan, order_rng):
+                system, proposer, b, mode, policy, k = key
+                bar.set_postfix_str(f"{system}/{proposer} b={b} {mode} {policy}" + (f" k={k}" if k else ""))
+                run = runs[key]
+                ids = batch_prompts(len(prompts), b, rep, s.rotate_prompts)
+                batch = [prompts[i] for i in ids]
+                temp = s.temperature if mode == "sampled" else 0.0
+                if system == "specray":
+                    rt = runtimes[(proposer, policy, k)]
+                    before = rt.metrics()
+                    params = SamplingParams(max_tokens=s.max_tokens, temperature=temp, seed=rep if temp else None)
+                    t0 = time.perf_counter()
+                    outs = rt.generate(batch, params)
+                    dt = time.perf_counter() - t0
+                    after = rt.metrics()
+                    gen = [o.token_ids for o in outs]
+                    run.drafted += after["num_draft_tokens"] - before["num_draft_tokens"]
+                    run.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    run.emitted += after["num_emitted_tokens"] - before["num_emitted_tokens"]
+                    run.seq_steps += after["num_seq_steps"] - before["num_seq_steps"]
+                    steps = after["num_steps"] - before["num_steps"]
+                    run.steps += steps
+                    for key in PHASES.values():
+                        run.phase_s[key] = run.phase_s.get(key, 0.0) + after[key] - before[key]
+                    run.predrafted += after["num_predrafted_windows"] - before["num_predrafted_windows"]
+                    run.predraft_used += after["num_predraft_windows_used"] - before["num_predraft_windows_used"]
+                    run.predraft_dropped += (after["num_predraft_windows_dropped"]
+                                             - before["num_predraft_windows_dropped"])
+                    run.draft_hidden_s += after["draft_hidden_s"] - before["draft_hidden_s"]
+                    if b == 1 and mode == "greedy" and k is None and (proposer == "none" or policy == s.policies[0]):
+                        if proposer == "draft":
+                            calls = after["num_draft_calls"] - before["num_draft_calls"]
+                            phase["draft_s"].append((after["draft_s"] - before["draft_s"]) / max(1, calls))
+                        if proposer == "none":
+                            phase["verify_none_s"].append((after["verify_s"] - before["verify_s"]) / max(1, steps))
+                else:
+                    gen, dt, calls = hf.generate(batch, s.max_tokens, proposer == "assisted", temp, rep,
+                                                 lookup=proposer == "lookup")
+                    if proposer in ("assisted", "lookup"):
+                        # Each target call scores one round: emitted tokens per round.
+                        run.emitted += len(gen[0])
+                        run.seq_steps += max(1, calls - 1)
+                run.samples.append(sum(len(g) for g in gen) / dt)
+                if mode == "greedy":
+                    check.check(f"{system}/{run.label}/b{b}", ids, gen)
+                bar.update(1)
+        bar.close()
+    finally:
+        for rt in runtimes.values():
+            rt.shutdown()
+
+    for run in runs.values():
+        # Assisted generation's and prompt lookup's acceptance is not observable from
+        # outside; their mean accepted length is tokens per target forward call.
+        run.finish()
+    none1 = runs[("specray", "none", 1, "greedy", "static", None)]
+    alpha = c = bound = speedup = None
+    if s.draft:
+        spec1 = runs[("specray", "draft", 1, "greedy", s.policies[0], None)]
+        alpha = spec1.acceptance_rate or 0.0
+        c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
+        bound = analytic_speedup(alpha, c, s.k)
+        speedup = spec1.tokens_per_s / none1.tokens_per_s
+    result = {
+        "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
+        "efficiency": speedup / bound if s.draft else None, "greedy_outputs_equal": not check.mismatches,
+        "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
+        "rotate_prompts": s.rotate_prompts, "order_seed": order_seed, "static_ks": sorted(set(s.static_ks) - {s.k}),
+        "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
+        "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
+        "prompt_set": s.prompt_set,
+        "runs": [public(r) for r in runs.values()],
+        "paired": paired_ratios(list(runs.values())),
+        "batch1_ratios": batch1_ratios(runs),
+    }
+    return result
+
+
+def run_order(plan: list[tuple], rng: random.Random) -> list[tuple]:
+    """The plan for one repeat: batch sizes in order, the configurations of each in an
+    order drawn afresh. A configuration's place in the order moves its figure: two
+    identical runtimes rotated one place per repeat differed by up to 18 %, in the same
+    direction over eight fresh runs (each run repeated the same places;
+    docs/adaptive-policy.md). Drawn orders make that noise, which repeats and runs
+    average, instead of a bias they keep."""
+    out: list[tuple] = []
+    for b in dict.fromkeys(key[2] for key in plan):
+        group = [key for key in plan if key[2] == b]
+        rng.shuffle(group)
+        out += group
+    return out
+
+
+def rotated(items: list, rep: int) -> list:
+    shift = rep % len(items)
+    return items[shift:] + items[:shift]

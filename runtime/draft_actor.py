@@ -1,0 +1,72 @@
+"""The draft worker as a Ray actor (``DraftActor``), and the driver's handle on it
+(``DraftHandle``): msgpack in, msgpack out.
+
+Draft probabilities are a second return value, so the driver receives an ObjectRef it
+hands to the target worker without fetching the tensor. With overlap the handle also
+asks for pre-drafts (``PredraftCall``): an actor runs its calls one after another, in the
+order submitted, so a pre-draft runs right after the window it drafts past.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from specray.runtime.actor_handle import ActorHandle, WorkerActor, reply
+from specray.scheduler.config import CacheConfig
+from specray.scheduler.messages import Predraft, Proposals, StepPlan, decode, encode
+from specray.workers.config import ModelConfig
+
+
+class DraftActor(WorkerActor):
+    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+        # Imported in the actor, not here: the driver process names this class to start
+        # the actor, and importing the workers (torch, transformers: seconds) there would
+        # only delay the moment it starts loading.
+        from specray.workers.draft_worker import DraftWorker
+
+        self.worker = DraftWorker(model, cache)
+
+    @ray.method(num_returns=2)
+    def propose_msg(self, data: bytes):
+        return self.propose_step(data)
+
+    def propose_step(self, data: bytes) -> tuple[bytes, object]:
+        """One return value, for a compiled graph's channel."""
+        return reply(*self.worker.propose(decode(data, StepPlan, validate=False)))
+
+    @ray.method(num_returns=2)
+    def predraft_msg(self, step_id: int):
+        return reply(*self.worker.predraft(step_id))
+
+    @ray.method(num_returns=2)
+    def adopt_msg(self, data: bytes, chosen: list[int]):
+        return reply(*self.worker.adopt(decode(data, StepPlan, validate=False), chosen))
+
+
+RemoteDraftActor = ray.remote(DraftActor)
+
+
+class DraftHandle(ActorHandle):
+    step_method = "propose_step"
+
+    def submit(self, plan):
+        data = encode(plan)
+        ref = self._execute(data) if self._on_channel else None
+        return ref if ref is not None else self.actor.propose_msg.remote(data)
+
+    def wait(self, handle):
+        if not isinstance(handle, tuple):     # a compiled graph's one value (or its error)
+            data, probs = self._get(handle)
+            return decode(data, Proposals), probs
+        ref, probs_ref = handle
+        return decode(self._get(ref), Proposals), probs_ref
+
+    def submit_predraft(self, step_id: int):
+        return self.actor.predraft_msg.remote(step_id)
+
+    def submit_adopt(self, plan: StepPlan, chosen: list[int]):
+        return self.actor.adopt_msg.remote(encode(plan), list(chosen))
+
+    def wait_predraft(self, handle):
+        ref, probs_ref = handle
+        return decode(self._get(ref), Predraft), probs_ref
