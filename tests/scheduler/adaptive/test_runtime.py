@@ -83,9 +83,12 @@ def test_unrelated_draft_falls_to_zero(llama_pair, tmp_path):
 
 
 def test_learned_cost_model_keeps_output_exact(llama_pair):
+    """The cost model learned from this machine's own step times, not a frozen one."""
     t, d = llama_pair
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=K, block_size=4, device="cpu", dtype="float32",
                         speculation_policy="adaptive")
     outs, ks, m = run_spying(cfg, prompts(), 30)
     assert [o.token_ids for o in outs] == hf_greedy(t, prompts(), 30)
-    assert len(m["acceptance_by_position"]) >= 1 and m["mean_verify_s"] > 0
+    # Whether speculating pays here depends on this machine's timings (on a loaded one
+    # the model may rightly turn it off from the first step), so only its bounds are fixed.
+    assert ks and all(0 <= k <= K for step in ks for k in step) and m["mean_verify_s"] > 0
