@@ -111,7 +111,9 @@ class RuntimeConfig:
         # SpeculationConfig
         proposer: str = _UNSET, num_speculative_tokens: int = _UNSET, speculation_policy: str = _UNSET,
         disable_by_batch_size: int | None = _UNSET, policy_options: dict = _UNSET, overlap: bool = _UNSET,
-        ngram_max: int = _UNSET, ngram_min: int = _UNSET,
+        ngram_max: int = _UNSET, ngram_min: int = _UNSET, suffix_cache_requests: int = _UNSET,
+        suffix_max_nodes: int = _UNSET, suffix_max_depth: int = _UNSET, suffix_min_prob: float = _UNSET,
+        suffix_spec_factor: float = _UNSET,
         # ClusterConfig
         num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
@@ -142,9 +144,9 @@ class RuntimeConfig:
         check_int("seed", self.seed, 0)
         check_int("max_pending", self.max_pending)
         proposer = self.speculation.proposer
-        if proposer == "draft" and not self.model.draft:
-            raise ValueError("draft must be set when proposer='draft'")
-        if proposer != "draft" and self.model.draft:
+        if self.speculation.draft_model and not self.model.draft:
+            raise ValueError(f"draft must be set when proposer={proposer!r}")
+        if not self.speculation.draft_model and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
         if self.speculation.overlap and self.cluster.compiled_graph:
             raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")

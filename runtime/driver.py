@@ -112,7 +112,8 @@ class DriverCore:
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process (backend "local") they run in turn, computing the same windows.
         self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
-                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap)
+                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap,
+                             suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.draft_model)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -350,6 +351,8 @@ class DriverCore:
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  last_error=self._last_error)
+        if self.pool.suffix is not None:
+            m.update(self.pool.suffix.stats())
         return m
 
     def shutdown(self) -> None:
@@ -393,6 +396,7 @@ class DriverCore:
             except Exception as e:  # a failed step fails its requests, not the runtime
                 self._last_error = f"{type(e).__name__}: {e}"
                 failed = self.scheduler.abort_all("error")
+                self.engine.forget(failed)
                 with self._cv:
                     for seq in failed:
                         req = self._requests.get(seq.request_id)

@@ -17,6 +17,7 @@ from specray.runtime.overlap import PredraftBook, Taken
 from specray.runtime.worker_call import WorkerCall, WorkerLost
 from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Proposals
+from specray.scheduler.proposal_choice import DraftRecord, common_prefix, pick_shards
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict, verdicts
@@ -28,13 +29,20 @@ Shard = tuple[Proposals, Any]
 class Engine:
     def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
                  target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, suffix=None, suffix_beside_drafts: bool = False) -> None:
         """``proposers[r].wait`` yields a ``Shard``; ``verifiers[r].wait`` a
         ``StepResult``. When every target worker has been down for
         ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
         times the phases (a replay passes a simulated one). ``overlap``: draft workers that
-        are ``PredraftCall``s pre-draft the next window while the target verifies."""
+        are ``PredraftCall``s pre-draft the next window while the target verifies.
+        ``suffix``: the suffix decoding proposer, told of every finished request;
+        ``suffix_beside_drafts``: it also proposes for every drafting sequence, beside the
+        draft model, and each sequence's proposal expected to be accepted longer is
+        verified (``specray.scheduler.proposal_choice``)."""
         self.scheduler = scheduler
+        self.suffix = suffix
+        self.suffix_beside_drafts = suffix_beside_drafts and suffix is not None
+        self.draft_record = DraftRecord()
         self.clock = clock
         self.book = PredraftBook() if overlap else None
         self.verifiers = verifiers
@@ -61,7 +69,17 @@ class Engine:
         outcome.verdicts = self.verify(step, shards, outcome)
         self._collect(ahead, outcome)
         outcome.times.step_s = self.clock() - t0
-        return self.scheduler.update(outcome)
+        out = self.scheduler.update(outcome)
+        if self.suffix is not None:
+            for seq, _ in out:
+                if seq.finished:
+                    self.suffix.finished(seq)
+        return out
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Requests that ended without a verdict (failed): nothing to learn from them."""
+        if self.suffix is not None:
+            self.suffix.forget([s.seq_id for s in seqs])
 
     def propose(self, step: ScheduledStep, outcome: StepOutcome, skip: set[int] = frozenset()) -> list[Shard]:
         """Every draft worker at once (but those in ``skip``)."""
@@ -69,7 +87,7 @@ class Engine:
         if not any(p is not None for r, p in enumerate(step.draft_plans) if r not in skip):
             return shards
         t_draft = self.clock()
-        pending = [(r, self.proposers[r].submit(p)) for r, p in enumerate(step.draft_plans)
+        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(step.draft_plans)
                    if p is not None and r not in skip]
         for r, h in pending:
             try:
@@ -77,6 +95,10 @@ class Engine:
             except WorkerLost:
                 # Its sequences verify without proposals this step (plain decoding).
                 outcome.lost_drafts.add(r)
+        if self.suffix_beside_drafts:
+            seqs = [s for rank in step.draft_seqs for s in rank]
+            if seqs:
+                shards.append((self.suffix.propose(step.step_id, seqs), None))
         if any(p.seq_ids for p, _ in shards):
             outcome.times.draft_s = self.clock() - t_draft
             # Workers compute in parallel: the slowest one's own time is the phase's compute,
@@ -84,11 +106,17 @@ class Engine:
             outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
         return shards
 
+    def _submit_draft(self, r: int, plan, step: ScheduledStep):
+        call = self.proposers[r]
+        return call.submit(plan, step.draft_seqs[r]) if getattr(call, "takes_sequences", False) else call.submit(plan)
+
     def verify(self, step: ScheduledStep, shards: list[Shard], outcome: StepOutcome) -> list[Verdict]:
-        """Every target worker at once, each plan with the shards' proposals merged in."""
+        """Every target worker at once, each plan with the shards' proposals merged in
+        (one per sequence: where two proposers proposed, the one ``pick_shards`` chose)."""
         t1 = self.clock()
         merge_s = 0.0
         pending = []
+        chosen: dict[int, Proposals] = {}          # seq id -> the shard verified, where there was a choice
         for r, plan in enumerate(step.target_plans):
             if plan is None:
                 continue
@@ -97,7 +125,11 @@ class Engine:
                 t_merge = self.clock()
                 mine = set(plan.seq_ids)
                 used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
-                plan = merge_proposals(plan, [p for p, _ in used])
+                picks = None
+                if self.suffix_beside_drafts:
+                    picks = pick_shards(plan.seq_ids, [p for p, _ in used], self.draft_record)
+                    chosen.update((sid, used[s][0]) for sid, s in picks.items())
+                plan = merge_proposals(plan, [p for p, _ in used], picks)
                 probs = [h for p, h in used if p.has_probs]
                 merge_s += self.clock() - t_merge
             pending.append((r, plan, self.verifiers[r].submit(plan, probs)))
@@ -115,7 +147,29 @@ class Engine:
         outcome.times.merge_s = merge_s
         outcome.times.verify_s = self.clock() - t1 - merge_s
         outcome.times.verify_compute_s = compute_s
+        if self.suffix_beside_drafts:
+            self._account_choices(shards, chosen, out, outcome)
         return out
+
+    def _account_choices(self, shards: list[Shard], chosen: dict[int, Proposals], verdicts_: list[Verdict],
+                         outcome: StepOutcome) -> None:
+        """The draft model's record over the proposals of its that were verified, and, where
+        suffix decoding's was verified instead, how many of the draft's cached proposals
+        still hold (``StepOutcome.draft_kept``)."""
+        drafts = {sid: (p, r) for p, _ in shards if not p.scores for r, sid in enumerate(p.seq_ids)}
+        for v in verdicts_:
+            own = drafts.get(v.seq_id)
+            if own is None:
+                continue
+            shard, row = own
+            if chosen.get(v.seq_id) is shard:
+                self.draft_record.observe(v.proposed, v.accepted)
+                continue
+            n = shard.proposal_lens[row]
+            cached = shard.token_ids[row * shard.width:row * shard.width + max(n - 1, 0)]
+            # The draft is always fed at least the last emitted token (it needs its logits),
+            # even where its cache happens to hold it already.
+            outcome.draft_kept[v.seq_id] = min(common_prefix(cached, v.tokens), len(v.tokens) - 1)
 
     # -- lost workers ------------------------------------------------------------------
     @property

@@ -60,6 +60,16 @@ class LocalCall:
         pass
 
 
+class SequenceCall(LocalCall):
+    """A proposer in the driver's process that reads each sequence's tokens from the
+    ``Sequence`` itself (suffix decoding): ``submit`` gets the plan's sequences too."""
+
+    takes_sequences = True
+
+    def __init__(self, proposer) -> None:
+        super().__init__(lambda plan, seqs: (proposer.propose(plan.step_id, seqs), None))
+
+
 class LocalDraftCall(LocalCall):
     """An in-process draft worker that pre-drafts: the same calls as the actor's, run at
     once (nothing overlaps in one thread; tests use it to check what overlap computes)."""

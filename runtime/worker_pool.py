@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.worker_call import LocalCall, LocalDraftCall, WorkerCall
+from specray.runtime.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
 from specray.workers.ngram_proposer import NgramProposer
+from specray.workers.suffix_proposer import SuffixProposer
 
 
 @dataclass
@@ -25,9 +26,10 @@ class WorkerPool:
     verifiers: list[WorkerCall]
     proposers: list[WorkerCall]
     target_blocks: list[int]
-    draft_blocks: list[int] | None          # None: proposers without KV (n-gram) or none
+    draft_blocks: list[int] | None          # None: proposers without KV (n-gram, suffix) or none
     actors: list = field(default_factory=list)
     placement_group: Any = None
+    suffix: SuffixProposer | None = None     # suffix decoding, in this process (alone or beside the drafts)
 
     def release(self) -> None:
         for call in self.verifiers + self.proposers:
@@ -84,9 +86,17 @@ def _wait_all(refs: list, cancel: threading.Event, timeout: float | None = None)
     return True
 
 
-def _ngram(cfg: RuntimeConfig) -> list[WorkerCall]:
-    # Prompt lookup is cheap host work: it runs in the driver and costs no actor hop.
-    return [LocalCall(NgramProposer(cfg.speculation).propose)]
+def _host_proposers(cfg: RuntimeConfig, pool: WorkerPool) -> list[WorkerCall]:
+    """Prompt lookup and suffix decoding are cheap host work: they run in the driver and
+    cost no actor hop. Suffix decoding beside the draft model proposes from the engine."""
+    spec = cfg.speculation
+    if spec.suffix:
+        pool.suffix = SuffixProposer(spec)
+    if spec.proposer == "ngram":
+        return [LocalCall(NgramProposer(spec).propose)]
+    if spec.proposer == "suffix":
+        return [SequenceCall(pool.suffix)]
+    return []
 
 
 def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
@@ -101,16 +111,16 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         targets.append(TargetWorker(cfg.model, cfg.cache))
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers, d_blocks = [], None
-    if cfg.speculation.proposer == "draft":
+    if cfg.speculation.draft_model:
         drafts = []
         for _ in range(cluster.num_draft_workers):
             _check(cancel)
             drafts.append(DraftWorker(cfg.model, cfg.cache))
         proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
         d_blocks = [d.num_blocks() for d in drafts]
-    elif cfg.speculation.proposer == "ngram":
-        proposers = _ngram(cfg)
-    return WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
+    pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
+    pool.proposers += _host_proposers(cfg, pool)
+    return pool
 
 
 def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
@@ -126,7 +136,7 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
              for _ in range(cluster.num_target_workers)]
-    if cfg.speculation.proposer == "draft":
+    if cfg.speculation.draft_model:
         kinds += [("draft", RemoteDraftActor, actor_options(cluster.draft_resources, gpu))
                   for _ in range(cluster.num_draft_workers)]
     bundles = [_bundle(opts) for _, _, opts in kinds]
@@ -168,8 +178,8 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     restarts = cluster.max_worker_restarts
     verifiers = [TargetHandle(a, restarts, cluster.compiled_graph) for a in targets]
     remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph) for a in drafts]
-    proposers = remote_proposers or (_ngram(cfg) if cfg.speculation.proposer == "ngram" else [])
-    pool = WorkerPool(verifiers, proposers, t_blocks, d_blocks, actors, pg)
+    pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg)
+    pool.proposers += _host_proposers(cfg, pool)
     if cluster.compiled_graph:
         try:
             for call in verifiers + remote_proposers:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROPOSERS = ("draft", "ngram", "none")
+PROPOSERS = ("draft", "ngram", "suffix", "draft+suffix", "none")
+# The proposers that run a draft model (and need ModelConfig.draft).
+DRAFT_MODEL_PROPOSERS = ("draft", "draft+suffix")
 POLICIES = ("static", "adaptive")
 
 
@@ -57,11 +59,13 @@ class CacheConfig:
 class SpeculationConfig:
     """What proposes, and how many tokens a sequence proposes per step. With
     ``proposer="none"`` nothing does: ``num_speculative_tokens`` is 0 there whatever was
-    asked, and ``overlap`` is on only with a draft model (n-gram proposals cost nothing to
-    hide)."""
+    asked, and ``overlap`` is on only with the draft model alone (host-side proposals cost
+    nothing to hide)."""
 
     proposer: str = field(default="draft", metadata={
-        "help": "draft model, n-gram prompt lookup, or none (plain decoding)", "choices": PROPOSERS})
+        "help": "draft model, n-gram prompt lookup, suffix decoding (what earlier requests emitted), both the "
+                "draft and suffix decoding (per sequence, the proposal expected to be accepted longer), or none "
+                "(plain decoding)", "choices": PROPOSERS})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "tokens a sequence proposes per step, at most", "flags": ("-k", "--num-speculative-tokens")})
     speculation_policy: str = field(default="static", metadata={
@@ -76,6 +80,19 @@ class SpeculationConfig:
         "help": "draft actors pre-draft the next window while the target verifies (docs/overlap.md)"})
     ngram_max: int = field(default=3, metadata={"help": "longest n-gram the prompt lookup matches"})
     ngram_min: int = field(default=1, metadata={"help": "shortest n-gram the prompt lookup matches"})
+    suffix_cache_requests: int = field(default=64, metadata={
+        "help": "suffix decoding: finished requests whose tokens the global tree keeps (first in, first out; 0: "
+                "each request's own tree only)"})
+    suffix_max_nodes: int = field(default=1_000_000, metadata={
+        "help": "suffix decoding: the global tree's node budget (about 170 bytes a node); the oldest requests "
+                "leave past it"})
+    suffix_max_depth: int = field(default=24, metadata={
+        "help": "suffix decoding: longest path (matched context and continuation) the trees hold"})
+    suffix_min_prob: float = field(default=0.1, metadata={
+        "help": "suffix decoding: a continuation stops where its path's chance (child over parent counts) falls "
+                "below this"})
+    suffix_spec_factor: float = field(default=1.0, metadata={
+        "help": "suffix decoding: a match of m tokens proposes at most m times this many"})
 
     def __post_init__(self) -> None:
         check_choice("proposer", self.proposer, PROPOSERS)
@@ -91,7 +108,24 @@ class SpeculationConfig:
         if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
                 and 1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        check_int("suffix_cache_requests", self.suffix_cache_requests, 0)
+        check_int("suffix_max_nodes", self.suffix_max_nodes)
+        check_int("suffix_max_depth", self.suffix_max_depth, 2)
+        check_number("suffix_min_prob", self.suffix_min_prob)
+        if self.suffix_min_prob > 1:
+            raise ValueError(f"suffix_min_prob must be in (0, 1], got {self.suffix_min_prob}")
+        check_number("suffix_spec_factor", self.suffix_spec_factor)
         if self.proposer == "none":
             object.__setattr__(self, "num_speculative_tokens", 0)
         if self.proposer != "draft":
             object.__setattr__(self, "overlap", False)
+
+    @property
+    def suffix(self) -> bool:
+        """Whether suffix decoding proposes (alone or beside the draft model)."""
+        return self.proposer in ("suffix", "draft+suffix")
+
+    @property
+    def draft_model(self) -> bool:
+        """Whether a draft model proposes."""
+        return self.proposer in DRAFT_MODEL_PROPOSERS

@@ -23,21 +23,23 @@ from dataclasses import replace
 from specray.scheduler.messages import Proposals, StepPlan
 
 
-def merge_proposals(plan: StepPlan, shards: list[Proposals]) -> StepPlan:
+def merge_proposals(plan: StepPlan, shards: list[Proposals], picks: dict[int, int] | None = None) -> StepPlan:
     """The target ``plan`` with the shards' proposals for its sequences, as a new plan:
-    its ``proposal_lens`` become what the drafts made (0 where no shard proposed)."""
+    its ``proposal_lens`` become what the drafts made (0 where no shard proposed).
+    ``picks`` (sequence id -> shard index, ``proposal_choice.pick_shards``): where a
+    sequence is in several shards, the one whose proposal is verified."""
     n, width = plan.num_seqs, plan.width
     tokens = [-1] * (n * width)
     lens = [0] * n
     rows = [-1] * n
     where = {sid: i for i, sid in enumerate(plan.seq_ids)}
     row_offset = 0
-    for shard in shards:
+    for s, shard in enumerate(shards):
         if shard.width != width:
             raise ValueError(f"shard proposed with width {shard.width}, the step's is {width}")
         for r, sid in enumerate(shard.seq_ids):
             i = where.get(sid)
-            if i is None:
+            if i is None or (picks is not None and picks.get(sid, s) != s):
                 continue
             length = shard.proposal_lens[r]
             lens[i] = length

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -103,7 +103,9 @@ class StepPlan:
 class Proposals:
     """Draft tokens for the sequences of one draft plan: ``token_ids`` is ``[n, width]``
     flattened, ``-1`` past ``proposal_lens[i]`` (which may be shorter than planned where a
-    proposer finds nothing to propose)."""
+    proposer finds nothing to propose). ``scores`` (empty: not stated) is, per sequence,
+    how many of its proposals the proposer expects to be accepted (suffix decoding's path
+    chances; ``specray.scheduler.proposal_choice``)."""
 
     step_id: int = _scalar(int, 0)
     width: int = _scalar(int, 0)
@@ -117,6 +119,7 @@ class Proposals:
     # window taken from a pre-draft points into the pre-draft's rows.
     prob_rows: list[int] = _packed("i")
     num_prob_rows: int = _scalar(int, 0)
+    scores: list[float] = _packed("d")
 
     def validate(self) -> None:
         n = len(self.seq_ids)
@@ -129,6 +132,8 @@ class Proposals:
                 f"Proposals.token_ids has {len(self.token_ids)} entries, expected {n * self.width}")
         _expect(all(0 <= x <= self.width for x in self.proposal_lens), "Proposals.proposal_lens outside [0, width]")
         _expect(0.0 <= self.compute_s < float("inf"), "Proposals.compute_s must be finite and >= 0")
+        _expect(len(self.scores) in (0, n), "Proposals.scores does not match seq_ids")
+        _expect(all(0.0 <= x < float("inf") for x in self.scores), "Proposals.scores must be finite and >= 0")
 
 
 @dataclass

@@ -317,7 +317,7 @@ class Scheduler:
             if seq is None:
                 raise ValueError(f"a verdict for sequence {v.seq_id}, which is not in step {outcome.step.step_id} "
                                  "(or has two)")
-            out.append((seq, seq.apply(v, self.max_model_len)))
+            out.append((seq, seq.apply(v, self.max_model_len, outcome.draft_kept.get(v.seq_id))))
         for r in sorted(outcome.lost_drafts):
             self.draft_lost(r)
         for r in sorted(outcome.lost_targets):

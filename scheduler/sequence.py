@@ -66,7 +66,7 @@ class Sequence:
         self.target_computed = 0
         self.draft_computed = 0
 
-    def apply(self, verdict: Verdict, max_model_len: int) -> list[int]:
+    def apply(self, verdict: Verdict, max_model_len: int, draft_kept: int | None = None) -> list[int]:
         """A verified step's token accounting; returns the tokens appended (the verdict's,
         up to a stop). The rules, for a sequence of ``step_len`` tokens before the step:
 
@@ -74,13 +74,15 @@ class Sequence:
           hold: ``target_computed = step_len + accepted``;
         - its draft, if it drafted, cached the fed tokens and each proposal but the last
           (the pass after it never ran): ``draft_computed = step_len + min(accepted,
-          proposed - 1)``;
+          proposed - 1)``; where another proposer's proposal was verified instead,
+          ``draft_kept`` of the draft's cached proposals start the emitted tokens and hold;
         - its emitted tokens are appended until a stop token, ``max_tokens`` or
           ``max_model_len`` ends it.
         """
         self.target_computed = self.step_len + verdict.accepted
         if self.proposal_len:
-            self.draft_computed = self.step_len + min(verdict.accepted, max(verdict.proposed - 1, 0))
+            kept = min(verdict.accepted, max(verdict.proposed - 1, 0)) if draft_kept is None else draft_kept
+            self.draft_computed = self.step_len + kept
         self.num_draft_tokens += verdict.proposed
         self.num_accepted_tokens += verdict.accepted
         appended = []

@@ -98,6 +98,9 @@ class StepOutcome:
     lost_targets: set[int] = field(default_factory=set)   # target workers that failed in this step
     times: StepTimes = field(default_factory=StepTimes)
     overlap: OverlapCounts = field(default_factory=OverlapCounts)
+    # seq id -> how many of the draft model's cached proposals hold, for sequences whose
+    # verified proposal came from another proposer (specray.scheduler.proposal_choice)
+    draft_kept: dict[int, int] = field(default_factory=dict)
 
     @property
     def emitted(self) -> int:

@@ -93,6 +93,7 @@ class FakeWorker:
     def __init__(self, name: str, num_blocks: int, block_size: int) -> None:
         self.name = name
         self.cache: dict[int, list[int]] = {}
+        self.judged: dict[int, int] = {}   # seq id -> its length after the last step that judged its proposals
         self.blocks = BlockManager(num_blocks, block_size)
         self.num_plans = 0          # plans received
         self.num_seq_plans = 0      # plans received that carried sequences
@@ -104,6 +105,7 @@ class FakeWorker:
         self.num_seq_plans += bool(plan.seq_ids)
         for sid in plan.free_seq_ids:
             self.cache.pop(sid, None)
+            self.judged.pop(sid, None)
             self.blocks.free(sid)
         histories = []
         pos = 0
@@ -113,8 +115,14 @@ class FakeWorker:
             cache = self.cache.setdefault(sid, [])
             assert c <= len(cache), f"{self.name}: seq {sid} computed {c} > cached {len(cache)}"
             assert cache[:c] == truth[sid][:c], f"{self.name}: seq {sid} cached prefix is stale"
-            # ... and nothing the worker already holds correctly is fed again
-            assert c == common_prefix(cache, truth[sid]), f"{self.name}: seq {sid} re-fed cached tokens"
+            # ... and nothing the worker already holds correctly is fed again: of the tokens
+            # known when its last proposals were judged (``judged``), all it holds but the
+            # last, which a worker is always fed (after a suffix proposal won, a draft may
+            # hold correct tokens past what that step emitted: they are fed again)
+            known = truth[sid][:self.judged[sid]] if sid in self.judged else truth[sid]
+            held = common_prefix(cache, known)
+            assert c == (min(held, len(known) - 1) if sid in self.judged else held), \
+                f"{self.name}: seq {sid} re-fed cached tokens"
             del cache[c:]
             cache.extend(plan.token_ids[pos:pos + m])
             pos += m
@@ -224,16 +232,22 @@ class Harness:
     tick: int = 0
     losses: dict[str, int] = field(default_factory=lambda: {"draft": 0, "target": 0})
     engine: Engine | None = None
+    # A second proposer beside the drafts (draft+suffix): where it is wrong, as draft_wrong
+    # for the drafts; None: the drafts alone.
+    suffix_wrong: Callable[[int, int], bool] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.targets) == len(self.sched.target_pools)
         self._frees_t = [set() for _ in self.sched.target_pools]
         self._frees_d = [set() for _ in range(self.sched.num_draft_ranks)]
+        self.suffix = FakeSuffix(self) if self.suffix_wrong is not None else None
         self.engine = Engine(self.sched, [FakeCall(self, "target", r) for r in range(len(self.targets))],
-                             [FakeCall(self, "draft", d) for d in range(len(self.drafts))])
+                             [FakeCall(self, "draft", d) for d in range(len(self.drafts))],
+                             suffix=self.suffix, suffix_beside_drafts=self.suffix is not None)
         self._in_step = False
         self._truth: dict[int, list[int]] = {}
         self._proposed: dict[int, list[int]] = {}
+        self._suffix_proposed: dict[int, list[int]] = {}
         self._prob_rows: list[int] = []
         schedule, update = self.sched.schedule, self.sched.update
         self.sched.schedule = lambda: self._schedule(schedule)
@@ -290,7 +304,7 @@ class Harness:
         for r in self.fail_targets:
             self.kill_target(r)
         self._truth = self.truth(step)
-        self._proposed, self._prob_rows = {}, []
+        self._proposed, self._prob_rows, self._suffix_proposed = {}, [], {}
         self._running_on = {r: [s for s in sched.running if s.target_rank == r] for r in range(len(self.targets))}
         return step
 
@@ -313,6 +327,8 @@ class Harness:
         assert [s for s, _ in out] == [s for r, seqs in enumerate(step.target_seqs)
                                        if r not in outcome.lost_targets for s in seqs]
         for seq, appended in out:
+            if seq.seq_id in self._proposed and self.drafts:
+                self.drafts[seq.draft_rank].judged[seq.seq_id] = seq.num_tokens
             self.outputs.setdefault(seq.seq_id, []).extend(appended)
             assert self.outputs[seq.seq_id] == seq.output_tokens
             if seq.finished:
@@ -527,6 +543,10 @@ class Harness:
         if plan.proposal_token_ids:
             for i, sid in enumerate(plan.seq_ids):
                 props = self._proposed.get(sid, [])
+                got = plan.proposal_token_ids[i * width:i * width + plan.proposal_lens[i]]
+                if sid in self._suffix_proposed and got == self._suffix_proposed[sid] and got != props:
+                    assert plan.draft_rows[i] == -1          # the suffix's proposal: one-hot
+                    continue
                 assert plan.proposal_lens[i] == len(props)
                 assert plan.proposal_token_ids[i * width:(i + 1) * width] == props + [-1] * (width - len(props))
                 if plan.draft_rows[i] != -1:
@@ -570,6 +590,38 @@ class Harness:
         raise AssertionError("did not finish")
 
 
+class FakeSuffix:
+    """A host-side proposer beside the drafts, as suffix decoding is: the true next tokens,
+    wrong where ``suffix_wrong`` says, with a score that wins for odd sequence ids (so over
+    a run both proposers' proposals get verified)."""
+
+    def __init__(self, harness: "Harness") -> None:
+        self.h = harness
+        self.finished_ids: list[int] = []
+
+    def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
+        width = max((s.proposal_len for s in seqs), default=0)
+        lens, toks, scores = [], [], []
+        for s in seqs:
+            hist = list(s.tokens)
+            props: list[int] = []
+            for _ in range(s.proposal_len if s.seq_id % 3 else max(s.proposal_len - 1, 0)):
+                t = true_next(hist + props)
+                props.append((t + 1) % V if self.h.suffix_wrong(s.seq_id, len(hist) + len(props)) else t)
+            self.h._suffix_proposed[s.seq_id] = props
+            lens.append(len(props))
+            toks += props + [-1] * (width - len(props))
+            scores.append(float(len(props)) * (0.9 if s.seq_id % 2 else 0.1))
+        return Proposals(step_id=step_id, width=width, seq_ids=[s.seq_id for s in seqs], proposal_lens=lens,
+                         token_ids=toks, scores=scores)
+
+    def finished(self, seq: Sequence) -> None:
+        self.finished_ids.append(seq.seq_id)
+
+    def forget(self, seq_ids) -> None:
+        pass
+
+
 def _per_rank(blocks, ranks: int) -> list:
     if isinstance(blocks, (list, tuple)):
         assert len(blocks) == ranks or ranks == 1
@@ -581,7 +633,8 @@ def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = Non
           target_blocks: int | list[int] = 1000, draft_blocks: int | list[int] | None = 1000,
           target_ranks: int = 1, draft_ranks: int = 1, use_proposer: bool = True, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, disable_by_batch_size: int | None = None,
-          policy: SpeculationPolicy | None = None, overlap: bool = False) -> Harness:
+          policy: SpeculationPolicy | None = None, overlap: bool = False,
+          suffix_wrong: Callable[[int, int], bool] | None = None) -> Harness:
     """A scheduler with ample pools by default; ``draft_blocks=None``: proposers without a KV
     pool (n-gram style). Pool sizes are per rank (an int: the same for every rank). The fake
     workers' pools are the same size as the mirrors. One rank is passed as a bare pool (the
@@ -604,7 +657,7 @@ def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = Non
                       draft_max_len=draft_max_len, num_proposers=len(d_sizes), policy=policy)
     targets = [FakeWorker(f"target{r}", n, block_size) for r, n in enumerate(t_sizes)]
     drafts = [FakeWorker(f"draft{d}", n, block_size) for d, n in enumerate(d_sizes)]
-    return Harness(sched, targets, drafts)
+    return Harness(sched, targets, drafts, suffix_wrong=suffix_wrong)
 
 
 def add_requests(eng: Harness, specs, stop_ids=()) -> dict[int, tuple[list[int], str]]:

@@ -26,10 +26,10 @@ def pair_and_reference(request):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("proposer", ["draft", "ngram", "none"])
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "suffix", "draft+suffix", "none"])
 def test_greedy_equals_hf_generate(pair_and_reference, proposer, k):
     t, d, expected = pair_and_reference
-    cfg = RuntimeConfig(target=t, draft=d if proposer == "draft" else None, proposer=proposer,
+    cfg = RuntimeConfig(target=t, draft=d if "draft" in proposer else None, proposer=proposer,
                         num_speculative_tokens=k, block_size=4, device="cpu", dtype="float32")
     outs, m = run_local(cfg, prompts(), SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
@@ -40,9 +40,36 @@ def test_greedy_equals_hf_generate(pair_and_reference, proposer, k):
         assert m["num_draft_tokens"] > 0
     if proposer == "none":
         assert m["num_draft_tokens"] == 0 and m["mean_accepted_length"] == 1.0
+    if "suffix" in proposer:
+        assert m["suffix_cached_requests"] == len(outs)
     # Bookkeeping agrees with the per-request counts.
     assert m["num_accepted_tokens"] == sum(o.num_accepted_tokens for o in outs)
     assert m["num_draft_tokens"] == sum(o.num_draft_tokens for o in outs)
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "draft+suffix"])
+def test_suffix_decoding_learns_from_finished_requests_and_stays_exact(pair_and_reference, proposer):
+    """Asked again, the prompts' greedy answers come from the global tree: the target
+    accepts nearly every proposal, and the output is still transformers' own."""
+    from specray.runtime.driver import DriverCore
+
+    t, d, expected = pair_and_reference
+    cfg = RuntimeConfig(target=t, draft=d if "draft" in proposer else None, proposer=proposer,
+                        num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32")
+    drv = DriverCore(cfg, backend="local")
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0)] * len(prompts())
+    try:
+        first = drv.wait(drv.submit(prompts(), params).request_ids, timeout=600)
+        before = drv.metrics()
+        again = drv.wait(drv.submit(prompts(), params).request_ids, timeout=600)
+        after = drv.metrics()
+    finally:
+        drv.shutdown()
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == expected
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert drafted > 3 * len(prompts()) and accepted / drafted > 0.9
+    assert after["suffix_cached_requests"] == 2 * len(prompts()) and after["suffix_tree_bytes"] > 0
 
 
 def test_sampled_and_greedy_requests_share_a_batch(llama_pair):

@@ -122,6 +122,26 @@ def test_first_two_tokens_follow_the_target(tiny_vocab_pair, temperature, top_k)
         assert set(counts) <= allowed
 
 
+@pytest.mark.parametrize("proposer", ["suffix", "draft+suffix"])
+def test_suffix_proposals_keep_the_target_distribution(tiny_vocab_pair, proposer):
+    """Suffix decoding proposes deterministically (a one-hot draft distribution) what the
+    requests finished before emitted most often; with the draft beside it, each sequence's
+    verified proposal is the one expected to be accepted longer. Either way the first two
+    tokens follow the target. Waves of 256: later waves propose from the earlier ones."""
+    target, draft = tiny_vocab_pair
+    cfg = RuntimeConfig(target=target, draft=draft if "draft" in proposer else None, proposer=proposer,
+                        num_speculative_tokens=2, block_size=4, device="cpu", dtype="float32", max_num_seqs=256,
+                        max_pending=N, seed=14, suffix_min_prob=0.01)
+    outs, m = sample(cfg, SamplingParams(max_tokens=3, temperature=1.0))
+    counts = Counter(tuple(o.token_ids[:2]) for o in outs)
+    assert m["num_draft_tokens"] > N                    # most requests proposed (two tokens)
+    assert 0.1 < m["acceptance_rate"] < 0.9             # accepted and rejected, many times
+    assert m["suffix_cached_requests"] == cfg.speculation.suffix_cache_requests
+    assert chi2_pvalue(counts, exact_joint(target, 1.0, 0)) > 1e-3
+    if "draft" in proposer:
+        assert chi2_pvalue(counts, exact_joint(draft, 1.0, 0)) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def padded_drafts(tiny_vocab_pair, tmp_path_factory):
     """The tiny pair's draft padded two other ways: cut to its first 6 rows (the target's

@@ -153,7 +153,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 3, 5, -1, 2**40, "4", None, True, [4], b"\x04"])
+@pytest.mark.parametrize("version", [0, 4, 6, -1, 2**40, "5", None, True, [5], b"\x05"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version

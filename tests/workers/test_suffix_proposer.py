@@ -1,0 +1,86 @@
+"""SuffixProposer: per-request trees, the global tree over finished requests (FIFO within
+its request count and node budget), what it proposes and what it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray.scheduler.config import SpeculationConfig
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.sequence import Sequence
+from specray.workers.suffix_proposer import SuffixProposer
+
+
+def proposer(**kw) -> SuffixProposer:
+    return SuffixProposer(SpeculationConfig(proposer="suffix", **kw))
+
+
+def seq(sid: int, tokens: list[int], proposal_len: int = 4, prompt_len: int | None = None) -> Sequence:
+    s = Sequence(seq_id=sid, request_id=str(sid), prompt_len=prompt_len or len(tokens), tokens=list(tokens),
+                 params=SamplingParams(max_tokens=64), seed=sid)
+    s.proposal_len = proposal_len
+    return s
+
+
+def rows(p):
+    return [p.token_ids[i * p.width:i * p.width + n] for i, n in enumerate(p.proposal_lens)]
+
+
+def test_a_finished_request_teaches_the_next_one():
+    sp = proposer()
+    first = seq(1, [10, 11, 12, 13, 14, 15, 16, 17], prompt_len=3)
+    assert rows(sp.propose(1, [seq(2, [10, 11, 12])]))[0] == []     # nothing seen yet: nothing proposed
+    sp.finished(first)
+    p = sp.propose(2, [seq(2, [10, 11, 12], proposal_len=2), seq(3, [99, 98], proposal_len=2)])
+    assert rows(p) == [[13, 14], []] and p.width == 2
+    assert p.scores[0] == pytest.approx(2.0) and p.scores[1] == 0.0 and not p.has_probs
+    p.validate()
+
+
+def test_a_request_proposes_from_its_own_repeats_and_keeps_its_tree_as_it_grows():
+    sp = proposer(suffix_cache_requests=0)
+    s = seq(5, [1, 2, 3, 4, 9, 1, 2])
+    assert rows(sp.propose(1, [s]))[0] == [3, 4]      # "1 2" was followed by "3 4 9"; a match of 2 proposes 2
+    s.tokens += [3, 4, 9, 1, 2, 3]                     # the target emitted more: the tree grows by it
+    assert rows(sp.propose(2, [s]))[0] == [4, 9, 1, 2]
+    assert sp.requests[5].num_tokens == len(s.tokens)
+    sp.finished(s)                                       # no global cache: it is simply dropped
+    assert sp.stats()["suffix_cached_requests"] == 0 and 5 not in sp.requests
+
+
+def test_the_global_tree_keeps_the_last_requests_first_in_first_out():
+    sp = proposer(suffix_cache_requests=2)
+    for i in range(4):
+        sp.finished(seq(i, [50 + i, 60, 70 + i, 80]))
+    assert list(sp._order) == [2, 3] and sp.stats()["suffix_cached_requests"] == 2
+    sp.cache.check_integrity()
+    assert rows(sp.propose(1, [seq(9, [50])]))[0] == []              # request 0 left the cache
+    assert rows(sp.propose(1, [seq(9, [53])]))[0] == [60]            # request 3 is in it
+    assert rows(sp.propose(1, [seq(9, [53, 60])]))[0] == [73, 80]
+
+
+def test_the_node_budget_evicts_the_oldest_requests():
+    sp = proposer(suffix_max_nodes=40, suffix_max_depth=4)
+    for i in range(6):
+        sp.finished(seq(i, list(range(100 * i, 100 * i + 10))))    # no shared paths: 34 nodes each
+    st = sp.stats()
+    assert sp.cache.num_nodes <= 40 and st["suffix_cached_requests"] == 1 and list(sp._order) == [5]
+    assert st["suffix_tree_bytes"] > 0
+
+
+def test_proposals_never_pass_the_proposal_len_and_failed_requests_teach_nothing():
+    sp = proposer()
+    sp.finished(seq(1, list(range(20))))
+    p = sp.propose(1, [seq(2, [0, 1, 2, 3, 4, 5, 6, 7], proposal_len=3), seq(3, [0, 1], proposal_len=1)])
+    assert p.proposal_lens == [3, 1] and rows(p) == [[8, 9, 10], [2]]
+    sp.forget([2, 3])
+    assert not sp.requests
+
+
+def test_bad_settings_are_refused_naming_the_field():
+    for kw, name in ((dict(suffix_cache_requests=-1), "suffix_cache_requests"),
+                     (dict(suffix_max_depth=1), "suffix_max_depth"),
+                     (dict(suffix_min_prob=0.0), "suffix_min_prob"), (dict(suffix_min_prob=1.5), "suffix_min_prob"),
+                     (dict(suffix_spec_factor=0), "suffix_spec_factor"), (dict(suffix_max_nodes=0), "suffix_max_nodes")):
+        with pytest.raises(ValueError, match=name):
+            SpeculationConfig(proposer="suffix", **kw)

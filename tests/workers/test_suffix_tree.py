@@ -1,0 +1,87 @@
+"""SuffixTree against brute force: counts of every path, the longest match, removal, and
+what a speculation follows and stops at."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specray.workers.suffix_tree import SuffixTree
+
+
+def occurrences(seqs: list[list[int]], path: list[int]) -> int:
+    n = len(path)
+    return sum(1 for s in seqs for i in range(len(s) - n + 1) if s[i:i + n] == path)
+
+
+def test_the_docstring_example():
+    t = SuffixTree(3)
+    t.extend("x", [1, 2, 1, 2, 3])
+    t.check_integrity()
+    assert t.root.children[1].count == 2 and t.root.children[1].children[2].count == 2
+    assert t.root.children[1].children[2].children[1].count == 1
+    assert t.root.children[1].children[2].children[3].count == 1
+    assert t.num_nodes == 9 and t.num_tokens == 5
+
+
+def test_random_growth_and_removal_keep_every_count_exact():
+    rng = random.Random(1)
+    t = SuffixTree(5)
+    seqs: dict[int, list[int]] = {}
+    for step in range(300):
+        key = rng.randrange(6)
+        if rng.random() < 0.15 and key in seqs:
+            t.remove(key)
+            del seqs[key]
+        else:
+            toks = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            t.extend(key, toks)
+            seqs.setdefault(key, []).extend(toks)
+        if step % 25 == 0:
+            t.check_integrity()
+    t.check_integrity()
+    for key in list(seqs):
+        t.remove(key)
+    assert t.num_nodes == 0 and t.num_tokens == 0 and not t.root.children
+
+
+def test_longest_match_is_the_most_trailing_tokens_that_occur():
+    rng = random.Random(2)
+    for _ in range(200):
+        seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 12))] for _ in range(2)]
+        t = SuffixTree(6)
+        for i, s in enumerate(seqs):
+            t.extend(i, s)
+        context = [rng.randrange(3) for _ in range(rng.randrange(0, 9))]
+        expect = max((m for m in range(0, min(len(context), 5) + 1)
+                      if m == 0 or occurrences(seqs, context[len(context) - m:])), default=0)
+        assert t.longest_match(context) == expect
+
+
+def test_speculation_follows_the_continuation_seen_most_often():
+    t = SuffixTree(8)
+    for i, tail in enumerate(([7, 8], [7, 8], [7, 9])):
+        t.extend(i, [1, 2, 3] + tail)
+    got = t.speculate([5, 1, 2, 3], max_tokens=4, min_prob=0.1, factor=1.0)
+    assert got.tokens == [7, 8] and got.match_len == 3
+    assert got.score == pytest.approx(1.0 + 2 / 3)      # 3/3 went on to 7, then 2 of 3 to 8
+    # A chance below min_prob stops the path; a short match proposes little.
+    assert t.speculate([5, 1, 2, 3], 4, min_prob=0.7, factor=1.0).tokens == [7]
+    assert t.speculate([9, 9, 3], 4, min_prob=0.1, factor=1.0).tokens == [7]
+    assert t.speculate([9, 9, 3], 4, min_prob=0.1, factor=2.0).tokens == [7, 8]
+    assert t.speculate([4, 4], 4, 0.1, 1.0) is None                  # no match at all
+    assert t.speculate([5, 1, 2, 3], 0, 0.1, 1.0) is None            # nothing asked for
+
+
+def test_a_sequence_matches_its_own_earlier_occurrences():
+    t = SuffixTree(6)
+    t.extend("own", [4, 5, 6, 1, 4, 5])
+    got = t.speculate(t.tokens("own"), max_tokens=3, min_prob=0.1, factor=1.0)
+    # "4 5" occurred before, followed by "6 1 4"; its current end has no continuation.
+    assert got.tokens == [6, 1] and got.score == pytest.approx(0.5 + 0.5)
+
+
+def test_bad_depth_is_refused():
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixTree(1)

@@ -1,0 +1,173 @@
+"""A suffix tree of token sequences, cut at ``max_depth`` tokens, with occurrence counts:
+what suffix decoding looks continuations up in.
+
+Every suffix of every sequence added is a path from the root, truncated at ``max_depth``
+tokens; a node's ``count`` is how many (sequence, start) pairs pass through it, i.e. how
+often its path occurs. For ``a b a b c`` and depth 3::
+
+    root ─ a(2) ─ b(2) ─ a(1)          the suffixes a b a | b a b | a b c | b c | c,
+         │           └── c(1)          each cut at 3 tokens
+         ├ b(2) ─ a(1) ─ b(1)
+         │      └ c(1)
+         └ c(1)
+
+A sequence grows one token at a time in O(depth): its *active* nodes are the paths of
+its last 1..depth-1 tokens, and the new token extends each by one (``append``). Because
+every suffix of an occurring path also occurs, the suffixes of a context that occur are
+exactly its last 1..M tokens for one M, which ``longest_match`` finds by bisection.
+
+``speculate`` follows, from a matched path, the child seen most often while the chance
+of the path so far (the product of child count over parent count) stays at least
+``min_prob``; its score is the sum of those chances, the expected number of tokens a
+verifier accepts if the counts are right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, Node] = {}
+        self.count = 0
+
+
+@dataclass
+class Candidate:
+    tokens: list[int]
+    score: float              # expected tokens accepted: the sum of the path's chances
+    match_len: int
+
+
+class SuffixTree:
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = Node()
+        self.num_nodes = 0
+        self.num_tokens = 0
+        self._seqs: dict[object, list[int]] = {}
+        self._active: dict[object, list[Node]] = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self._seqs
+
+    def tokens(self, key) -> list[int]:
+        return self._seqs[key]
+
+    def extend(self, key, tokens: list[int]) -> None:
+        """Append ``tokens`` to sequence ``key`` (a new one when unknown)."""
+        seq = self._seqs.setdefault(key, [])
+        active = self._active.setdefault(key, [])
+        keep = self.max_depth - 1
+        for t in tokens:
+            nxt = []
+            for node in [self.root] + active[:keep]:
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = Node()
+                    self.num_nodes += 1
+                child.count += 1
+                nxt.append(child)
+            active = nxt
+            seq.append(t)
+        self._active[key] = active
+        self.num_tokens += len(tokens)
+
+    def remove(self, key) -> None:
+        """Forget sequence ``key``: every path it added loses one count, and nodes left at
+        zero go."""
+        seq = self._seqs.pop(key, None)
+        self._active.pop(key, None)
+        if seq is None:
+            return
+        self.num_tokens -= len(seq)
+        for start in range(len(seq)):
+            node = self.root
+            for t in seq[start:start + self.max_depth]:
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    self.num_nodes -= _size(child)
+                    del node.children[t]
+                    break
+                node = child
+
+    def longest_match(self, context: list[int]) -> int:
+        """The most trailing tokens of ``context`` (at most ``max_depth - 1``, leaving room
+        to continue) that occur as a path."""
+        lo, hi = 0, min(len(context), self.max_depth - 1)
+        while lo < hi:                        # the largest m whose path exists
+            mid = (lo + hi + 1) // 2
+            if self._walk(context[len(context) - mid:]) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float,
+                  min_match: int = 1) -> Candidate | None:
+        """The best continuation of ``context`` over its matches from the longest down:
+        each match of m tokens may propose ``min(max_tokens, m * factor)`` tokens (longer
+        matches are trusted further). None when nothing matches or nothing passes
+        ``min_prob``. Own occurrences count: in a sequence's own tree its current end has
+        no continuation, and the earlier occurrences give the chances."""
+        best: Candidate | None = None
+        for m in range(self.longest_match(context), min_match - 1, -1):
+            limit = min(max_tokens, int(m * factor + 1e-9))
+            if limit <= 0 or (best is not None and limit <= best.score):
+                break                         # no shorter match can score more than its limit
+            node = self._walk(context[len(context) - m:])
+            tokens, score, p = [], 0.0, 1.0
+            while len(tokens) < limit and node.children:
+                t, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                p *= child.count / node.count
+                if p < min_prob:
+                    break
+                tokens.append(t)
+                score += p
+                node = child
+            if tokens and (best is None or score > best.score):
+                best = Candidate(tokens, score, m)
+        return best
+
+    def _walk(self, path: list[int]) -> Node | None:
+        node = self.root
+        for t in path:
+            node = node.children.get(t)
+            if node is None:
+                return None
+        return node
+
+    def check_integrity(self) -> None:
+        """Counts and node totals as the stored sequences imply (tests call it)."""
+        expect: dict[tuple, int] = {}
+        for seq in self._seqs.values():
+            for start in range(len(seq)):
+                for end in range(start + 1, min(len(seq), start + self.max_depth) + 1):
+                    path = tuple(seq[start:end])
+                    expect[path] = expect.get(path, 0) + 1
+        found: dict[tuple, int] = {}
+        stack = [((), self.root)]
+        while stack:
+            path, node = stack.pop()
+            for t, child in node.children.items():
+                found[path + (t,)] = child.count
+                stack.append((path + (t,), child))
+        if found != expect:
+            raise AssertionError("suffix tree counts differ from its sequences")
+        if len(found) != self.num_nodes or sum(map(len, self._seqs.values())) != self.num_tokens:
+            raise AssertionError("suffix tree totals are off")
+
+
+def _size(node: Node) -> int:
+    n, stack = 0, [node]
+    while stack:
+        x = stack.pop()
+        n += 1
+        stack.extend(x.children.values())
+    return n
