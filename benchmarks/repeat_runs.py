@@ -17,7 +17,10 @@ policies, adaptive, static k and plain decoding each over the better *mode* of t
 (static k or plain, chosen as the bench chooses its "best other": ``best_config``), and
 adaptive over each mode. A configuration held to the better mode scores below 1 even
 where it *is* one of two even modes (the better of two noisy estimates is biased up):
-static's and plain decoding's own figures show by how much.
+static's and plain decoding's own figures show by how much. Per proposer, adaptive over
+static k and over each adaptive variant (the variant's mechanism's gain); suffix decoding
+over plain decoding, n-gram lookup and Hugging Face's prompt lookup, and draft+suffix over
+the draft alone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,18 @@ def run_ratios(result: dict) -> dict[str, float]:
                 put(f"b{b} {p} / better mode", mode[p], mode[better])
             put(f"b{b} adaptive / static", mode["adaptive"], mode["static"])
             put(f"b{b} adaptive / none", mode["adaptive"], mode["none"])
+    # Suffix decoding against plain decoding, prompt lookup and the draft alone (static k).
+    for b in batches:
+        static = {p: runs.get(("specray", p, b, "greedy", "static")) for p in ("suffix", "draft+suffix", "ngram",
+                                                                             "draft", "none")}
+        put(f"b{b} suffix / none", static["suffix"], static["none"])
+        put(f"b{b} suffix / ngram", static["suffix"], static["ngram"])
+        put(f"b{b} draft+suffix / draft", static["draft+suffix"], static["draft"])
+        put(f"b{b} ngram / none", static["ngram"], static["none"])
+    put("b1 suffix / hf lookup", runs.get(("specray", "suffix", 1, "greedy", "static")),
+        runs.get(("hf", "lookup", 1, "greedy", "static")))
+    put("b1 sampled suffix / none", runs.get(("specray", "suffix", 1, "sampled", "static")),
+        runs.get(("specray", "none", 1, "sampled", "static")))
     # Per proposer: adaptive over static k, and over each adaptive variant (a variant runs
     # the policy with one mechanism off: the ratio is that mechanism's gain).
     variants = sorted({key[4] for key in runs if key[4].startswith("adaptive:")})

@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
                    help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
                         "lean='{\"shrinkage\": 4}' (with --policy adaptive or both)")
-    b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed"],
+    b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed", "repeat"],
                    help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
-                        "paragraph the prompt quotes (where n-gram lookup pays); mixed: the two alternating")
+                        "paragraph the prompt quotes (where n-gram lookup pays); mixed: the two alternating; "
+                        "repeat: each code prompt asked four times in a row (where suffix decoding pays)")
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")

@@ -9,6 +9,9 @@
 - ``mixed``: the two alternating, so every batch of two or more holds requests where
   speculation pays (quotes) beside ones where it pays less (code): the workload a
   per-sequence speculation policy exists for.
+- ``repeat``: the ``code`` prompts, each asked ``REPEATS`` times in a row (best-of-n,
+  retries): the traffic suffix decoding learns from. Rotated repeats at batch 1 meet
+  each prompt ``REPEATS`` times running.
 
 Text is encoded as specray encodes a string prompt (``model_loader.encode_prompt``), so
 the bench measures what a user's strings get.
@@ -16,7 +19,8 @@ the bench measures what a user's strings get.
 
 from __future__ import annotations
 
-PROMPT_SETS = ("code", "quote", "mixed")
+PROMPT_SETS = ("code", "quote", "mixed", "repeat")
+REPEATS = 4
 
 INSTRUCTIONS = (
     "Rewrite the following paragraph in the passive voice, keeping every detail:",
@@ -69,6 +73,9 @@ def bench_prompts(prompt_set: str, count: int, tokenizer, prompt_bytes: int = 16
         from specray.runtime.stdlib_corpus import held_out_prompts
 
         return [encode_prompt(tokenizer, t) for t in held_out_prompts(count, prompt_bytes)]
+    if prompt_set == "repeat":
+        once = bench_prompts("code", -(-count // REPEATS), tokenizer, prompt_bytes)
+        return [once[i // REPEATS] for i in range(count)]
     if prompt_set == "mixed":
         quotes = bench_prompts("quote", (count + 1) // 2, tokenizer, prompt_bytes)
         code = bench_prompts("code", count // 2, tokenizer, prompt_bytes)

@@ -95,7 +95,7 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     policy, _, plus = policy.partition("+")
     policy, _, variant = policy.partition(":")
     return RuntimeConfig(
-        target=s.target, draft=s.draft if proposer == "draft" else None, proposer=proposer,
+        target=s.target, draft=s.draft if proposer in ("draft", "draft+suffix") else None, proposer=proposer,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
         block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
         policy_options=dict(s.variants[variant]) if variant else {}, colocate=s.colocate,
@@ -134,6 +134,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         spec_configs.append(("ngram", "static", None))     # the batch-1 prompt-lookup ratios read it
     if s.draft and s.overlap and not s.colocate and not s.compiled_graph:
         spec_configs += [("draft", f"{pol}+overlap", None) for pol in s.policies]
+    # Suffix decoding, alone and beside the draft, with static proposal lengths.
+    spec_configs += [("suffix", "static", None)] + ([("draft+suffix", "static", None)] if s.draft else [])
     spec_configs.append(("none", "static", None))
     sweep = [("draft", "static", k) for k in sorted(set(s.static_ks)) if k != s.k] if s.draft else []
     # Room for the longest prompt, its tokens and the widest step's lookahead past them.
@@ -151,6 +153,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     if s.draft:
         plan += [("hf", "assisted", 1, "greedy", "static", None), ("hf", "assisted", 1, "sampled", "static", None),
                  ("specray", "draft", 1, "sampled", s.policies[0], None)]
+    if s.prompt_set == "repeat":
+        # Best-of-n: the same prompt sampled with another seed each repeat.
+        plan += [("specray", p, 1, "sampled", "static", None) for p in ("suffix", "ngram", "none")]
     runs = {key: Run(*key) for key in plan}
     for run in runs.values():
         run.overlap = run.policy.endswith("+overlap")

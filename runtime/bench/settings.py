@@ -46,7 +46,7 @@ class BenchSettings:
     overlap: bool = True
 
 
-SPECULATING = ("draft", "ngram")      # the proposers whose runs take a speculation policy
+SPECULATING = ("draft", "ngram", "suffix", "draft+suffix")      # the proposers held to plain decoding
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
 PHASES = {"schedule": "schedule_s", "draft": "draft_compute_s", "merge": "merge_s",
