@@ -50,12 +50,12 @@ def test_a_target_alone_is_benched_with_ngram_and_plain_decoding(ray_session, tm
     result = run_bench(s, "no")
     assert result["greedy_outputs_equal"], result["mismatches"]
     keys = {(r["system"], r["proposer"], r["batch_size"]) for r in result["runs"]}
-    assert keys == {("specray", "ngram", 1), ("specray", "none", 1), ("hf", "none", 1), ("hf", "lookup", 1),
-                    ("specray", "ngram", 2), ("specray", "none", 2), ("hf", "none", 2)}
+    assert keys == {("specray", p, b) for p in ("ngram", "suffix", "none") for b in (1, 2)} | {
+        ("hf", "none", 1), ("hf", "lookup", 1), ("hf", "none", 2)}
     assert result["alpha"] is None and result["analytic_bound"] is None
-    # n-gram lookup is held to plain decoding, per batch size.
+    # n-gram lookup and suffix decoding are held to plain decoding, per batch size.
     assert {(p["proposer"], p["batch_size"], p["against"]) for p in result["paired"]} == {
-        ("ngram", b, against) for b in (1, 2) for against in ("none", "best other")}
+        (proposer, b, against) for proposer in ("ngram", "suffix") for b in (1, 2) for against in ("none", "best other")}
     ratios = result["batch1_ratios"]
     assert all(q is not None and q["min"] <= q["median"] <= q["max"] for q in ratios.values())
     assert "no draft: n-gram and plain decoding only" in format_table(result)

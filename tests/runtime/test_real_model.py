@@ -121,7 +121,8 @@ def test_bench_without_a_draft_on_quoting_prompts(smollm2, ray_module, tmp_path)
     result = run_bench(s, "no")
     assert result["greedy_outputs_equal"], result["mismatches"]
     runs = {(r["system"], r["proposer"]): r for r in result["runs"]}
-    assert set(runs) == {("specray", "ngram"), ("specray", "none"), ("hf", "none"), ("hf", "lookup")}
+    assert set(runs) == {("specray", "ngram"), ("specray", "suffix"), ("specray", "none"), ("hf", "none"),
+                         ("hf", "lookup")}
     # Rewriting a quoted paragraph repeats it: lookup proposals are mostly kept, in both
     # systems (greedy, so these counts do not depend on the machine's speed).
     assert runs[("specray", "ngram")]["mean_accepted_length"] > 1.5
