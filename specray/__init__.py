@@ -24,7 +24,8 @@ _EXPORTS = {
     "builtin_model": "specray.runtime.model_store",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["SpecRuntime", "RuntimeConfig", "RequestOutput", "SamplingParams", "Overloaded", "builtin_model"]
+assert set(__all__) == set(_EXPORTS)
 
 if TYPE_CHECKING:
     from specray.runtime.client import SpecRuntime
