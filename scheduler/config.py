@@ -84,7 +84,7 @@ class SpeculationConfig:
         "help": "suffix decoding: finished requests whose tokens the global tree keeps (first in, first out; 0: "
                 "each request's own tree only)"})
     suffix_max_nodes: int = field(default=1_000_000, metadata={
-        "help": "suffix decoding: the global tree's node budget (about 170 bytes a node); the oldest requests "
+        "help": "suffix decoding: the global tree's node budget (about 250 bytes a node); the oldest requests "
                 "leave past it"})
     suffix_max_depth: int = field(default=24, metadata={
         "help": "suffix decoding: longest path (matched context and continuation) the trees hold"})

@@ -31,11 +31,11 @@ from collections import deque
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals
 from specray.scheduler.sequence import Sequence
-from specray.workers.suffix_tree import Candidate, Node, SuffixTree
+from specray.workers.suffix_tree import Candidate, SuffixTree
 
-# Bytes of one tree node as CPython holds it (the node, its children dict, one entry):
-# measured once, for the memory figure in metrics().
-NODE_BYTES = sys.getsizeof(Node()) + sys.getsizeof({0: None}) + 8
+# Bytes of one tree node as CPython holds it (its count, its slot in the children list,
+# a small children dict, its entry in its parent's): measured once, for metrics().
+NODE_BYTES = 8 + 8 + sys.getsizeof({0: 1}) + 8
 
 
 class SuffixProposer:

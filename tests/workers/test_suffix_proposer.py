@@ -68,6 +68,26 @@ def test_the_node_budget_evicts_the_oldest_requests():
     assert st["suffix_tree_bytes"] > 0
 
 
+def test_the_reported_bytes_are_what_the_trees_take():
+    """suffix_tree_bytes against the memory Python allocated for the trees (tracemalloc)."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sp = proposer(suffix_max_depth=16)
+        for i in range(12):
+            base = [rng.randrange(256) for _ in range(30)]
+            sp.finished(seq(i, [rng.randrange(256) if j % 7 == 0 else t for j, t in enumerate(base * 4)]))
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sp.cache.num_nodes > 10_000
+    assert 0.7 < sp.stats()["suffix_tree_bytes"] / taken < 1.3
+
+
 def test_proposals_never_pass_the_proposal_len_and_failed_requests_teach_nothing():
     sp = proposer()
     sp.finished(seq(1, list(range(20))))

@@ -19,9 +19,10 @@ def test_the_docstring_example():
     t = SuffixTree(3)
     t.extend("x", [1, 2, 1, 2, 3])
     t.check_integrity()
-    assert t.root.children[1].count == 2 and t.root.children[1].children[2].count == 2
-    assert t.root.children[1].children[2].children[1].count == 1
-    assert t.root.children[1].children[2].children[3].count == 1
+    assert t.count([1]) == 2 and t.count([1, 2]) == 2
+    assert t.count([1, 2, 1]) == 1 and t.count([1, 2, 3]) == 1
+    assert t.count([2, 1, 2]) == 1 and t.count([2, 3]) == 1 and t.count([3]) == 1
+    assert t.count([1, 2, 1, 2]) == 0 and t.count([3, 1]) == 0        # cut at depth 3; never seen
     assert t.num_nodes == 9 and t.num_tokens == 5
 
 
@@ -43,7 +44,7 @@ def test_random_growth_and_removal_keep_every_count_exact():
     t.check_integrity()
     for key in list(seqs):
         t.remove(key)
-    assert t.num_nodes == 0 and t.num_tokens == 0 and not t.root.children
+    assert t.num_nodes == 0 and t.num_tokens == 0 and t.count([]) == 0 and t.longest_match([1, 2]) == 0
 
 
 def test_longest_match_is_the_most_trailing_tokens_that_occur():
