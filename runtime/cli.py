@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policy", default="static", choices=["static", "adaptive", "both"],
                    help="speculation policy of the draft runs")
     b.add_argument("--rotate-prompts", action="store_true",
-                   help="each repeat serves the next held-out prompts (batch 1: a new text every repeat) "
-                        "instead of the same ones")
+                   help="each repeat serves the next held-out prompts (batch 1: a new text every repeat), each "
+                        "batch size prompts of its own, instead of the same ones")
     b.add_argument("--static-k", default="",
                    help="more fixed k's for the draft at batch 1, e.g. 6,8: adaptive is held to the best of them")
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",

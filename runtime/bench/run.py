@@ -113,6 +113,23 @@ def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> 
     return [(start + i) % num_prompts for i in range(batch_size)]
 
 
+def prompt_slices(batch_sizes: list[int], repeats: int, rotate: bool) -> tuple[dict[int, int], int]:
+    """Where each batch size's prompts start, and how many prompts a bench needs.
+
+    Rotated, every batch size serves prompts of its own (``batch_size * repeats`` of them,
+    after the smaller sizes'), and one more prompt, the last, warms the runtimes up: no
+    configuration meets a text it or a smaller batch already answered, so a proposer that
+    learns from finished requests (suffix decoding) gains only where the prompt set itself
+    repeats. Not rotated, every batch size serves the first prompts."""
+    if not rotate:
+        return {b: 0 for b in batch_sizes}, max(batch_sizes) + 1
+    starts, n = {}, 0
+    for b in sorted(batch_sizes):
+        starts[b] = n
+        n += b * repeats
+    return starts, n + 1
+
+
 def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     from tqdm import tqdm
 
@@ -123,8 +140,10 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     # Ray runs actors single-threaded (OMP_NUM_THREADS=1); Hugging Face here gets the same.
     torch.set_num_threads(1)
     tok = load_tokenizer(s.target)
-    prompts = bench_prompts(s.prompt_set, max(s.batch_sizes) * (s.repeats if s.rotate_prompts else 1), tok,
-                            s.prompt_bytes)
+    batch_sizes = sorted(set(s.batch_sizes) | {1})
+    starts, num_prompts = prompt_slices(batch_sizes, s.repeats, s.rotate_prompts)
+    prompts = bench_prompts(s.prompt_set, num_prompts, tok, s.prompt_bytes)
+    warm_up = prompts[-1:]
     hf = HFRunner(s)
 
     proposers = ("draft", "ngram") if s.draft else ("ngram",)
@@ -145,7 +164,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     plan: list[tuple[str, str, int, str, str, int | None]] = []
     # Batch 1 always runs: the analytic bound and the assisted-generation comparison are
     # batch-1 measurements.
-    for b in sorted(set(s.batch_sizes) | {1}):
+    for b in batch_sizes:
         for proposer, policy, k in spec_configs + (sweep if b == 1 else []):
             plan.append(("specray", proposer, b, "greedy", policy, k))
         plan.append(("hf", "none", b, "greedy", "static", None))
@@ -166,15 +185,16 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     try:
         # Warm-up: first calls pay for allocation and lazy initialisation.
         for rt in runtimes.values():
-            rt.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
-        hf.generate(prompts[:1], 4, False, 0.0, 0)
+            rt.generate(warm_up * 2, SamplingParams(max_tokens=4, temperature=0.0))
+        hf.generate(warm_up, 4, False, 0.0, 0)
         bar = tqdm(total=len(plan) * s.repeats, desc="bench", disable=not s.progress, unit="run")
         for rep in range(s.repeats):
             for key in run_order(plan, order_rng):
                 system, proposer, b, mode, policy, k = key
                 bar.set_postfix_str(f"{system}/{proposer} b={b} {mode} {policy}" + (f" k={k}" if k else ""))
                 run = runs[key]
-                ids = batch_prompts(len(prompts), b, rep, s.rotate_prompts)
+                served = b * s.repeats if s.rotate_prompts else len(prompts) - 1
+                ids = [starts[b] + i for i in batch_prompts(served, b, rep, s.rotate_prompts)]
                 batch = [prompts[i] for i in ids]
                 temp = s.temperature if mode == "sampled" else 0.0
                 if system == "specray":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specray.runtime.bench.run import OutputCheck, batch_prompts, gpu_shares, run_order
+from specray.runtime.bench.run import OutputCheck, batch_prompts, gpu_shares, prompt_slices, run_order
 from specray.runtime.bench.settings import PHASES, BenchSettings, Run
 from specray.runtime.bench.stats import analytic_speedup, paired_ratios, t975, within_repeats
 
@@ -141,6 +141,16 @@ def test_rotated_repeats_serve_the_next_prompts():
     assert [batch_prompts(64, 1, rep, rotate=True) for rep in range(3)] == [[0], [1], [2]]
     assert batch_prompts(64, 8, 2, rotate=True) == list(range(16, 24))
     assert batch_prompts(10, 4, 2, rotate=True) == [8, 9, 0, 1]
+
+
+def test_rotated_batch_sizes_serve_prompts_of_their_own_and_the_warm_up_another():
+    starts, n = prompt_slices([1, 8, 32], repeats=3, rotate=True)
+    assert starts == {1: 0, 8: 3, 32: 27} and n == 3 + 24 + 96 + 1
+    served = {b: {starts[b] + i for rep in range(3) for i in batch_prompts(b * 3, b, rep, rotate=True)}
+              for b in starts}
+    assert sum(map(len, served.values())) == n - 1            # disjoint, and none is the warm-up's
+    assert set().union(*served.values()) == set(range(n - 1))
+    assert prompt_slices([1, 8], repeats=3, rotate=False) == ({1: 0, 8: 0}, 9)
 
 
 def test_paired_ratios_compare_runs_within_each_repeat():
