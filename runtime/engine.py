@@ -11,12 +11,13 @@ compute in parallel, and draft probabilities stay ObjectRefs the engine hands on
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from specray.runtime.overlap import PredraftBook, Taken
 from specray.runtime.worker_call import WorkerCall, WorkerLost
 from specray.scheduler.merge import merge_proposals
-from specray.scheduler.messages import Proposals
+from specray.scheduler.messages import Proposals, StepPlan
 from specray.scheduler.proposal_choice import DraftRecord, common_prefix, pick_shards
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
@@ -69,6 +70,9 @@ class Engine:
         outcome.verdicts = self.verify(step, shards, outcome)
         self._collect(ahead, outcome)
         outcome.times.step_s = self.clock() - t0
+        if self.suffix is not None and not self.suffix_beside_drafts:
+            for v in outcome.verdicts:
+                self.suffix.observe(v.seq_id, v.proposed, v.accepted)
         out = self.scheduler.update(outcome)
         if self.suffix is not None:
             for seq, _ in out:
@@ -87,7 +91,12 @@ class Engine:
         if not any(p is not None for r, p in enumerate(step.draft_plans) if r not in skip):
             return shards
         t_draft = self.clock()
-        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(step.draft_plans)
+        plans = step.draft_plans
+        beside = None
+        if self.suffix_beside_drafts:
+            beside = self._propose_beside(step)
+            plans = [self._leave_to_suffix(p, beside) for p in plans]
+        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(plans)
                    if p is not None and r not in skip]
         for r, h in pending:
             try:
@@ -95,16 +104,38 @@ class Engine:
             except WorkerLost:
                 # Its sequences verify without proposals this step (plain decoding).
                 outcome.lost_drafts.add(r)
-        if self.suffix_beside_drafts:
-            seqs = [s for rank in step.draft_seqs for s in rank]
-            if seqs:
-                shards.append((self.suffix.propose(step.step_id, seqs), None))
+        if beside is not None:
+            shards.append((beside, None))
         if any(p.seq_ids for p, _ in shards):
             outcome.times.draft_s = self.clock() - t_draft
             # Workers compute in parallel: the slowest one's own time is the phase's compute,
             # the rest of the phase's wall time is messaging.
             outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
         return shards
+
+    def _propose_beside(self, step: ScheduledStep) -> Proposals | None:
+        """Suffix decoding's proposals for the drafting sequences whose proposal could
+        beat the draft's: at most ``proposal_len`` tokens at its calibration. Where none
+        could, its evidence fades instead, so the choice probes again later."""
+        ceiling, draft = self.suffix.ceiling(), self.draft_record
+        seqs = [s for rank in step.draft_seqs for s in rank if ceiling * s.proposal_len > draft.expected(s.proposal_len)]
+        if not seqs:
+            if any(step.draft_seqs):
+                self.suffix.fade()
+            return None
+        return self.suffix.propose(step.step_id, seqs)
+
+    def _leave_to_suffix(self, plan: StepPlan | None, beside: Proposals | None) -> StepPlan | None:
+        """The draft plan with no proposals asked of the sequences whose suffix proposal
+        scores more than the draft's full proposal could: they would verify the suffix's
+        anyway. The draft still runs their catch-up pass (its cache stays current); the
+        other passes, most of its cost, skip them."""
+        if plan is None or beside is None or not plan.seq_ids:
+            return plan
+        score = {sid: x for sid, x in zip(beside.seq_ids, beside.scores)}
+        draft = self.draft_record
+        lens = [0 if score.get(sid, 0.0) > draft.expected(n) else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
+        return plan if lens == plan.proposal_lens else replace(plan, proposal_lens=lens)
 
     def _submit_draft(self, r: int, plan, step: ScheduledStep):
         call = self.proposers[r]
@@ -153,9 +184,9 @@ class Engine:
 
     def _account_choices(self, shards: list[Shard], chosen: dict[int, Proposals], verdicts_: list[Verdict],
                          outcome: StepOutcome) -> None:
-        """The draft model's record over the proposals of its that were verified, and, where
-        suffix decoding's was verified instead, how many of the draft's cached proposals
-        still hold (``StepOutcome.draft_kept``)."""
+        """Each proposer's record over its proposals that were verified, and, where suffix
+        decoding's was verified instead of the draft's, how many of the draft's cached
+        proposals still hold (``StepOutcome.draft_kept``)."""
         drafts = {sid: (p, r) for p, _ in shards if not p.scores for r, sid in enumerate(p.seq_ids)}
         for v in verdicts_:
             own = drafts.get(v.seq_id)
@@ -165,6 +196,7 @@ class Engine:
             if chosen.get(v.seq_id) is shard:
                 self.draft_record.observe(v.proposed, v.accepted)
                 continue
+            self.suffix.observe(v.seq_id, v.proposed, v.accepted)
             n = shard.proposal_lens[row]
             cached = shard.token_ids[row * shard.width:row * shard.width + max(n - 1, 0)]
             # The draft is always fed at least the last emitted token (it needs its logits),

@@ -3,8 +3,10 @@
 With ``proposer="draft+suffix"`` the draft model and suffix decoding both propose for
 every drafting sequence, and the target verifies one proposal per sequence: the one
 expected to have more tokens accepted. Suffix decoding states its own expectation (its
-``Proposals.scores``: the sum of its path's chances); the draft model's is its measured
-acceptance rate ``a`` across sequences, ``a + a^2 + ... + a^m`` for ``m`` proposals.
+``Proposals.scores``: the sum of its path's chances, scaled per tree by how far its
+verified scores have held, ``ScoreRecord``: counts of one or two occurrences state chances
+of 1 that code continuations do not keep); the draft model's is its measured acceptance
+rate ``a`` across sequences, ``a + a^2 + ... + a^m`` for ``m`` proposals.
 
 The choice reads only the draft's record and the suffix tree's counts, never the draft's
 sampled tokens, so each verified proposal is still a draw from its own proposer and the
@@ -46,6 +48,31 @@ class DraftRecord:
         """Tokens of ``num_proposed`` draft proposals expected to be accepted."""
         a = self.rate
         return sum(a ** j for j in range(1, num_proposed + 1))
+
+
+@dataclass
+class ScoreRecord:
+    """How far a scoring proposer's stated expectations held, over its verified
+    proposals: discounted accepted tokens over discounted scores."""
+
+    prior_weight: float = 4.0          # in stated tokens, at a calibration of 1
+    decay: float = 0.99
+    accepted: float = 0.0
+    scored: float = 0.0
+
+    def observe(self, score: float, accepted: int) -> None:
+        self.accepted = self.accepted * self.decay + accepted
+        self.scored = self.scored * self.decay + score
+
+    def fade(self) -> None:
+        """A step without its proposals: the evidence ages, and the calibration drifts
+        back toward 1."""
+        self.accepted *= self.decay
+        self.scored *= self.decay
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.prior_weight) / (self.scored + self.prior_weight)
 
 
 def pick_shards(seq_ids: list[int], shards: list[Proposals], record: DraftRecord) -> dict[int, int]:

@@ -598,6 +598,7 @@ class FakeSuffix:
     def __init__(self, harness: "Harness") -> None:
         self.h = harness
         self.finished_ids: list[int] = []
+        self.observed: list[tuple[int, int, int]] = []     # verdicts on its verified proposals
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         width = max((s.proposal_len for s in seqs), default=0)
@@ -620,6 +621,15 @@ class FakeSuffix:
 
     def forget(self, seq_ids) -> None:
         pass
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        self.observed.append((seq_id, proposed, accepted))
+
+    def ceiling(self) -> float:
+        return 1.0          # its scores never pass 0.9 a token: it always proposes
+
+    def fade(self) -> None:
+        raise AssertionError("a ceiling of 1 is never below the draft's expectation")
 
 
 def _per_rank(blocks, ranks: int) -> list:

@@ -5,8 +5,8 @@ Two kinds of ``SuffixTree``:
 
 - one per running request, over its own tokens (prompt and output so far): the repeats
   within a request, as prompt lookup finds them, but the continuation seen most often wins;
-- one global tree over the whole sequences of the last ``suffix_cache_requests`` finished
-  requests (first in, first out, and fewer while it holds more than ``suffix_max_nodes``):
+- one global tree over the outputs of the last ``suffix_cache_requests`` finished
+  requests, each after the tail of its prompt a match can reach (first in, first out, and fewer while it holds more than ``suffix_max_nodes``):
   what other requests emitted, so best-of-n samples, retries and agents that repeat
   themselves propose what an earlier answer said.
 
@@ -30,6 +30,7 @@ from collections import deque
 
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals
+from specray.scheduler.proposal_choice import ScoreRecord
 from specray.scheduler.sequence import Sequence
 from specray.workers.suffix_tree import Candidate, SuffixTree
 
@@ -44,6 +45,10 @@ class SuffixProposer:
         self.requests: dict[int, SuffixTree] = {}
         self.cache = SuffixTree(speculation.suffix_max_depth)
         self._order: deque[int] = deque()           # cached requests, oldest first
+        # Per tree, how far its stated scores held; a proposal's score is its path's
+        # chances times its tree's calibration.
+        self.records = {"own": ScoreRecord(), "global": ScoreRecord()}
+        self._proposed: dict[int, tuple[str, float]] = {}   # seq id -> its last proposal's tree and chances
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         """Proposals for ``seqs``, each up to its ``proposal_len``, in a ``[n, width]`` grid
@@ -52,37 +57,62 @@ class SuffixProposer:
         width = max((s.proposal_len for s in seqs), default=0)
         lens, tokens, scores = [], [], []
         for seq in seqs:
-            cand = self._candidate(seq)
+            source, cand = self._candidate(seq)
             found = cand.tokens if cand is not None else []
             lens.append(len(found))
             tokens += found + [-1] * (width - len(found))
-            scores.append(cand.score if cand is not None else 0.0)
+            scores.append(cand.score * self.records[source].calibration if cand is not None else 0.0)
+            if cand is not None:
+                self._proposed[seq.seq_id] = (source, cand.score)
         return Proposals(step_id=step_id, width=width, has_probs=False, compute_s=time.perf_counter() - t0,
                          seq_ids=[s.seq_id for s in seqs], proposal_lens=lens, token_ids=tokens, scores=scores)
 
-    def _candidate(self, seq: Sequence) -> Candidate | None:
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """The verdict on ``seq_id``'s last proposal, where it was the one verified."""
+        last = self._proposed.pop(seq_id, None)
+        if last is not None and proposed:
+            source, score = last
+            self.records[source].observe(score, accepted)
+
+    def ceiling(self) -> float:
+        """The most a proposal of n tokens can score is n times this."""
+        return max(r.calibration for r in self.records.values())
+
+    def fade(self) -> None:
+        """A step that asked nothing of it: its records age (see ``ScoreRecord.fade``)."""
+        for r in self.records.values():
+            r.fade()
+
+    def _candidate(self, seq: Sequence) -> tuple[str, Candidate | None]:
         tree = self.requests.get(seq.seq_id)
         if tree is None:
             tree = self.requests[seq.seq_id] = SuffixTree(self.spec.suffix_max_depth)
         known = tree.num_tokens
         if known < seq.num_tokens:
             tree.extend(seq.seq_id, seq.tokens[known:])
-        context = seq.tokens[-self.spec.suffix_max_depth:]
         spec = self.spec
-        cands = [t.speculate(context, seq.proposal_len, spec.suffix_min_prob, spec.suffix_spec_factor)
-                 for t in (tree, self.cache)]
-        return max((c for c in cands if c is not None), key=lambda c: c.score, default=None)
+        n, min_prob, factor = seq.proposal_len, spec.suffix_min_prob, spec.suffix_spec_factor
+        cands = [("own", tree.speculate_own(seq.seq_id, n, min_prob, factor))]
+        if self.cache.num_nodes:
+            cands.append(("global", self.cache.speculate(seq.tokens[-spec.suffix_max_depth:], n, min_prob, factor)))
+        cands = [(src, c) for src, c in cands if c is not None]
+        return max(cands, key=lambda sc: sc[1].score * self.records[sc[0]].calibration, default=("own", None))
 
     def finished(self, seq: Sequence) -> None:
-        """A request ended with its output: its whole sequence joins the global tree (the
+        """A request ended with its output: the output joins the global tree (the
         oldest cached requests leave to make room) and its own tree goes."""
         self.requests.pop(seq.seq_id, None)
+        self._proposed.pop(seq.seq_id, None)
         if self.spec.suffix_cache_requests == 0:
             return
         if seq.seq_id in self.cache:        # cannot happen twice, but the cache stays exact if it does
             self.cache.remove(seq.seq_id)
             self._order.remove(seq.seq_id)
-        self.cache.extend(seq.seq_id, list(seq.tokens))
+        # Its output, after as much of its prompt as a match can reach: what later requests
+        # repeat is what a request emitted, and its prompt's tail is how they get there
+        # (a retried prompt ends the same way). The whole prompt would cost as many nodes
+        # again, for matches the requests' own trees find.
+        self.cache.extend(seq.seq_id, list(seq.tokens[max(0, seq.prompt_len - self.spec.suffix_max_depth + 1):]))
         self._order.append(seq.seq_id)
         while self._order and (len(self._order) > self.spec.suffix_cache_requests
                                or self.cache.num_nodes > self.spec.suffix_max_nodes):
@@ -92,6 +122,7 @@ class SuffixProposer:
         """Requests that ended without an output worth keeping (failed, aborted)."""
         for sid in seq_ids:
             self.requests.pop(sid, None)
+            self._proposed.pop(sid, None)
 
     def stats(self) -> dict:
         nodes = self.cache.num_nodes + sum(t.num_nodes for t in self.requests.values())

@@ -16,10 +16,11 @@ its last 1..depth-1 tokens, and the new token extends each by one (``append``). 
 every suffix of an occurring path also occurs, the suffixes of a context that occur are
 exactly its last 1..M tokens for one M, which ``longest_match`` finds by bisection.
 
-``speculate`` follows, from a matched path, the child seen most often while the chance
-of the path so far (the product of child count over parent count) stays at least
-``min_prob``; its score is the sum of those chances, the expected number of tokens a
-verifier accepts if the counts are right.
+``speculate`` follows, from the longest matched path that continues, the child seen
+most often while the chance of the path so far (the product of child count over parent
+count) stays at least ``min_prob``; its score is the sum of those chances, the expected
+number of tokens a verifier accepts if the counts are right. A sequence's own tree needs
+no walk to find its matches (``speculate_own``: they are its active nodes).
 
 Nodes are integer ids into flat arrays (counts in an ``array``, children in dicts of
 ``int -> int``), not one Python object each: a global tree holds hundreds of thousands
@@ -72,21 +73,31 @@ class SuffixTree:
         seq = self._seqs.setdefault(key, [])
         active = self._active.setdefault(key, [])
         keep = self.max_depth - 1
-        count, children = self._count, self._children
+        count, children, free = self._count, self._children, self._free
+        created = 0
         for t in tokens:
             nxt = []
-            for node in [ROOT] + active[:keep]:
+            for node in [ROOT, *active[:keep]]:
                 kids = children[node]
                 if kids is None:
                     kids = children[node] = {}
                 child = kids.get(t)
                 if child is None:
-                    child = kids[t] = self._new_node()
+                    # a new node (inlined: this loop is most of suffix decoding's cost)
+                    if free:
+                        child = free.pop()
+                    else:
+                        child = len(count)
+                        count.append(0)
+                        children.append(None)
+                    kids[t] = child
+                    created += 1
                 count[child] += 1
                 nxt.append(child)
             active = nxt
-            seq.append(t)
+        seq += tokens
         self._active[key] = active
+        self.num_nodes += created
         self.num_tokens += len(tokens)
 
     def remove(self, key) -> None:
@@ -123,18 +134,35 @@ class SuffixTree:
 
     def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float,
                   min_match: int = 1) -> Candidate | None:
-        """The best continuation of ``context`` over its matches from the longest down:
-        each match of m tokens may propose ``min(max_tokens, m * factor)`` tokens (longer
-        matches are trusted further). None when nothing matches or nothing passes
-        ``min_prob``. Own occurrences count: in a sequence's own tree its current end has
-        no continuation, and the earlier occurrences give the chances."""
+        """The continuation of ``context``'s longest match that continues (at most
+        ``max_depth - max_tokens`` tokens, so that a path has room for ``max_tokens``
+        more): a match of m tokens may propose ``min(max_tokens, m * factor)`` tokens (longer matches are
+        trusted further); a match whose first token's chance is below ``min_prob`` (or
+        that was only ever followed by a sequence's end) gives way to the next shorter
+        one. None when nothing matches or nothing passes ``min_prob``."""
+        # A path holds at most max_depth tokens: a match leaves room for the continuation.
+        room = max(self.max_depth - max_tokens, 0)
+        longest = self.longest_match(context[max(len(context) - room, 0):])
+        return self._follow(range(longest, min_match - 1, -1),
+                            lambda m: self._walk(context[len(context) - m:]), max_tokens, min_prob, factor)
+
+    def speculate_own(self, key, max_tokens: int, min_prob: float, factor: float,
+                      min_match: int = 1) -> Candidate | None:
+        """``speculate`` on sequence ``key``'s own tokens, in a tree that holds them: its
+        active nodes are its matches already, so nothing is walked. Its own occurrence
+        counts in every chance (its current end has no continuation), the earlier ones
+        give the continuations."""
+        active = self._active.get(key) or []
+        longest = min(len(active), self.max_depth - 1, self.max_depth - max_tokens)
+        return self._follow(range(longest, min_match - 1, -1), lambda m: active[m - 1], max_tokens, min_prob, factor)
+
+    def _follow(self, lengths, node_of, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         count, children = self._count, self._children
-        best: Candidate | None = None
-        for m in range(self.longest_match(context), min_match - 1, -1):
+        for m in lengths:
             limit = min(max_tokens, int(m * factor + 1e-9))
-            if limit <= 0 or (best is not None and limit <= best.score):
-                break                         # no shorter match can score more than its limit
-            node = self._walk(context[len(context) - m:])
+            if limit <= 0:
+                return None                   # shorter matches may propose less still
+            node = node_of(m)
             tokens, score, p = [], 0.0, 1.0
             while len(tokens) < limit and children[node]:
                 t, child = max(children[node].items(), key=lambda kv: count[kv[1]])
@@ -144,9 +172,9 @@ class SuffixTree:
                 tokens.append(t)
                 score += p
                 node = child
-            if tokens and (best is None or score > best.score):
-                best = Candidate(tokens, score, m)
-        return best
+            if tokens:
+                return Candidate(tokens, score, m)
+        return None
 
     def _walk(self, path: list[int]) -> int | None:
         node, children = ROOT, self._children
@@ -156,14 +184,6 @@ class SuffixTree:
             if node is None:
                 return None
         return node
-
-    def _new_node(self) -> int:
-        self.num_nodes += 1
-        if self._free:
-            return self._free.pop()
-        self._count.append(0)
-        self._children.append(None)
-        return len(self._count) - 1
 
     def _drop(self, node: int) -> None:
         """Free ``node`` and its subtree (already unlinked from its parent)."""

@@ -7,7 +7,7 @@ import pytest
 
 from specray.scheduler.merge import merge_proposals
 from specray.scheduler.messages import Proposals, StepPlan
-from specray.scheduler.proposal_choice import DraftRecord, common_prefix, pick_shards
+from specray.scheduler.proposal_choice import DraftRecord, ScoreRecord, common_prefix, pick_shards
 
 
 def shard(width, rows: dict[int, list[int]], scores=None, has_probs=False) -> Proposals:
@@ -51,6 +51,21 @@ def test_ties_go_to_the_draft_and_an_empty_proposal_never_wins():
     assert pick_shards([1], [shard(2, {1: []}), shard(2, {1: [8]}, scores=[0.01])], record) == {1: 1}
 
 
+def test_the_score_record_calibrates_and_its_evidence_fades():
+    r = ScoreRecord()
+    assert r.calibration == 1.0
+    for _ in range(20):
+        r.observe(2.0, 0)                               # stated two tokens, none accepted
+    low = r.calibration
+    assert low < 0.2
+    for _ in range(500):
+        r.fade()                                        # steps it sat out: the evidence ages
+    assert r.calibration > 0.9
+    for _ in range(300):
+        r.observe(1.0, 2)                               # more held than it stated
+    assert r.calibration > 1.9
+
+
 def test_common_prefix():
     assert common_prefix([1, 2, 3], (1, 2, 4, 5)) == 2
     assert common_prefix([], (1,)) == 0 and common_prefix([1, 2], (1, 2)) == 2
@@ -66,14 +81,16 @@ def test_draft_and_suffix_side_by_side_keep_outputs_and_the_drafts_cache_exact(r
 
     eng = build(k=4, target_ranks=ranks, draft_ranks=ranks, target_max_len=64, target_blocks=40,
                 suffix_wrong=lambda sid, pos: (sid + 2 * pos) % 5 == 0)
-    verified = {"draft": 0, "suffix": 0}
+    verified = {"draft": 0, "suffix": 0, "either": 0}
     verify = eng.verify
 
     def count(r, plan, probs):
         for i, sid in enumerate(plan.seq_ids):
             got = plan.proposal_token_ids[i * plan.width:i * plan.width + plan.proposal_lens[i]] \
                 if plan.proposal_token_ids else []
-            if got and got == eng._suffix_proposed.get(sid) and got != eng._proposed.get(sid):
+            if got and got == eng._suffix_proposed.get(sid) == eng._proposed.get(sid):
+                verified["either"] += 1
+            elif got and got == eng._suffix_proposed.get(sid):
                 verified["suffix"] += 1
             elif got:
                 verified["draft"] += 1
@@ -85,3 +102,5 @@ def test_draft_and_suffix_side_by_side_keep_outputs_and_the_drafts_cache_exact(r
     assert verified["draft"] > 20 and verified["suffix"] > 20
     assert sorted(eng.suffix.finished_ids) == sorted(ref)
     assert eng.engine.draft_record.accepted > 0
+    # The suffix proposer hears of exactly its proposals that were verified.
+    assert verified["suffix"] <= len([o for o in eng.suffix.observed if o[1]]) <= verified["suffix"] + verified["either"]

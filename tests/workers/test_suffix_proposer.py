@@ -37,6 +37,31 @@ def test_a_finished_request_teaches_the_next_one():
     p.validate()
 
 
+def test_the_global_tree_keeps_outputs_after_the_prompt_tail_a_match_can_reach():
+    sp = proposer(suffix_max_depth=4)
+    sp.finished(seq(1, [1, 2, 3, 4, 5, 6, 7, 8], prompt_len=6))
+    assert sp.cache.tokens(1) == [4, 5, 6, 7, 8]                   # the prompt's last 3, then the output
+    assert rows(sp.propose(1, [seq(2, [9, 5, 6], proposal_len=2)]))[0] == [7, 8]
+    assert rows(sp.propose(1, [seq(3, [9, 1, 2], proposal_len=2)]))[0] == []     # the prompt's head is not kept
+
+
+def test_each_tree_is_trusted_as_far_as_its_verified_scores_held():
+    sp = proposer()
+    sp.finished(seq(1, [1, 2, 3, 4, 5], prompt_len=1))
+    s = seq(2, [7, 1, 2, 3, 8, 1, 2, 3], proposal_len=2)
+    p = sp.propose(1, [s])                   # the global tree: 1 2 3 -> 4 5, chances 1; its own: 8 at 1/2
+    assert rows(p)[0] == [4, 5] and p.scores[0] == pytest.approx(2.0)
+    for _ in range(30):
+        # verified: the global tree's proposals are all rejected, the own tree's all held
+        sp.observe(2, 2, 0 if rows(sp.propose(1, [s]))[0] == [4, 5] else 2)
+    p = sp.propose(1, [s])
+    assert rows(p)[0] == [8, 1] and sp.records["global"].calibration < 0.5
+    assert sp.records["own"].calibration == pytest.approx(sp.ceiling()) and sp.ceiling() > 1.0
+    before = sp.records["own"].calibration
+    sp.observe(2, 0, 0)                      # nothing was verified: nothing learnt
+    assert sp.records["own"].calibration == before
+
+
 def test_a_request_proposes_from_its_own_repeats_and_keeps_its_tree_as_it_grows():
     sp = proposer(suffix_cache_requests=0)
     s = seq(5, [1, 2, 3, 4, 9, 1, 2])
@@ -62,7 +87,7 @@ def test_the_global_tree_keeps_the_last_requests_first_in_first_out():
 def test_the_node_budget_evicts_the_oldest_requests():
     sp = proposer(suffix_max_nodes=40, suffix_max_depth=4)
     for i in range(6):
-        sp.finished(seq(i, list(range(100 * i, 100 * i + 10))))    # no shared paths: 34 nodes each
+        sp.finished(seq(i, list(range(100 * i, 100 * i + 10)), prompt_len=1))   # no shared paths: 34 nodes each
     st = sp.stats()
     assert sp.cache.num_nodes <= 40 and st["suffix_cached_requests"] == 1 and list(sp._order) == [5]
     assert st["suffix_tree_bytes"] > 0
@@ -80,7 +105,8 @@ def test_the_reported_bytes_are_what_the_trees_take():
         sp = proposer(suffix_max_depth=16)
         for i in range(12):
             base = [rng.randrange(256) for _ in range(30)]
-            sp.finished(seq(i, [rng.randrange(256) if j % 7 == 0 else t for j, t in enumerate(base * 4)]))
+            sp.finished(seq(i, [rng.randrange(256) if j % 7 == 0 else t for j, t in enumerate(base * 4)],
+                             prompt_len=1))
         taken = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

@@ -75,12 +75,32 @@ def test_speculation_follows_the_continuation_seen_most_often():
     assert t.speculate([5, 1, 2, 3], 0, 0.1, 1.0) is None            # nothing asked for
 
 
+def test_a_long_match_leaves_the_path_room_to_continue():
+    t = SuffixTree(6)
+    t.extend(0, list(range(12)))
+    got = t.speculate(list(range(8)), max_tokens=3, min_prob=0.1, factor=1.0)
+    assert got.tokens == [8, 9, 10] and got.match_len == 3      # not 5 tokens matched and 1 proposed
+
+
 def test_a_sequence_matches_its_own_earlier_occurrences():
     t = SuffixTree(6)
     t.extend("own", [4, 5, 6, 1, 4, 5])
     got = t.speculate(t.tokens("own"), max_tokens=3, min_prob=0.1, factor=1.0)
     # "4 5" occurred before, followed by "6 1 4"; its current end has no continuation.
     assert got.tokens == [6, 1] and got.score == pytest.approx(0.5 + 0.5)
+
+
+def test_own_speculation_reads_the_active_nodes_as_a_walk_would_find_them():
+    rng = random.Random(3)
+    for _ in range(300):
+        t = SuffixTree(rng.choice([3, 5, 8]))
+        t.extend("other", [rng.randrange(4) for _ in range(rng.randrange(0, 20))])
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        cut = rng.randrange(len(toks) + 1)
+        t.extend("own", toks[:cut])
+        t.extend("own", toks[cut:])               # grown in two steps, as a request is
+        args = (rng.randrange(0, 6), rng.choice([0.05, 0.3, 0.6]), rng.choice([0.5, 1.0, 2.0]))
+        assert t.speculate_own("own", *args) == t.speculate(toks, *args)
 
 
 def test_bad_depth_is_refused():
