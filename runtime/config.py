@@ -104,7 +104,7 @@ class RuntimeConfig:
         self, target: str = _UNSET, draft: str | None = _UNSET, *,
         # ModelConfig
         device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET, executor: str = _UNSET,
-        cuda_graphs: bool = _UNSET,
+        cuda_graphs: bool = _UNSET, cuda_graph_query_lens: tuple = _UNSET,
         # CacheConfig
         block_size: int = _UNSET, num_kv_blocks: int | None = _UNSET, max_num_seqs: int = _UNSET,
         max_num_batched_tokens: int = _UNSET, gpu_memory_utilization: float | None = _UNSET,
@@ -150,13 +150,6 @@ class RuntimeConfig:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
         if self.speculation.overlap and self.cluster.compiled_graph:
             raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")
-        k = self.speculation.num_speculative_tokens
-        # The uniform steps this runtime sends (derived, so a copy with another k follows):
-        # decode and draft passes, the draft's catch-up after a fully accepted window,
-        # verify windows of k proposals.
-        lens = tuple(sorted({1, 2, k + 1} if k else {1}))
-        if self.model.cuda_graph_query_lens != lens:
-            object.__setattr__(self, "model", dataclasses.replace(self.model, cuda_graph_query_lens=lens))
         if self.speculation.overlap and self.cluster.colocate:
             # In one process nothing would run beside the verify: pre-drafts would only add work.
             object.__setattr__(self, "speculation", dataclasses.replace(self.speculation, overlap=False))

@@ -22,6 +22,7 @@ from typing import Any
 
 from specray.runtime.config import RuntimeConfig
 from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
+from specray.workers.config import ModelConfig
 from specray.runtime.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
 from specray.workers.ngram_proposer import NgramProposer
 from specray.workers.suffix_proposer import SuffixProposer
@@ -134,11 +135,11 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     targets, drafts = [], []
     for _ in range(cluster.num_target_workers):
         _check(cancel)
-        targets.append(TargetWorker(cfg.model, cfg.cache, allocate=False))
+        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
     if cfg.speculation.draft_model:
         for _ in range(cluster.num_draft_workers):
             _check(cancel)
-            drafts.append(DraftWorker(cfg.model, cfg.cache, allocate=False))
+            drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
     workers = targets + drafts
     # Every model is in before any cache is sized: they share this process's part of the GPU.
     share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
@@ -153,6 +154,16 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks, local_workers=workers)
     pool.proposers += _host_proposers(cfg, pool)
     return pool
+
+
+def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
+    """The model section a ``kind`` ("target" or "draft") worker is built with: the
+    uniform steps it will be sent, for its CUDA graphs, unless configured."""
+    if cfg.model.cuda_graph_query_lens:
+        return cfg.model
+    k = cfg.speculation.num_speculative_tokens
+    lens = (1, 2) if kind == "draft" else tuple(sorted({1, k + 1}))
+    return replace(cfg.model, cuda_graph_query_lens=lens)
 
 
 def _gpu_part(resources: dict) -> float:
@@ -205,7 +216,8 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
             else:
                 strategy = "SPREAD"
             actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cluster.max_worker_restarts,
-                                      max_task_retries=0).remote(cfg.model, worker_cache(cfg.cache, opts["num_gpus"])))
+                                      max_task_retries=0).remote(worker_model(cfg, kind),
+                                                                 worker_cache(cfg.cache, opts["num_gpus"])))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]

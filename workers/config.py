@@ -32,9 +32,9 @@ class ModelConfig:
         "help": "on CUDA, replay decode and verify steps of the native executor as CUDA graphs "
                 "(every batch bucket captured at start-up); off: every step eager"})
     cuda_graph_query_lens: tuple = field(default=(), metadata={
-        "help": "tokens per sequence of the uniform steps captured as CUDA graphs: RuntimeConfig derives "
-                "1, 2 and num_speculative_tokens + 1 (decode and draft passes, the draft's catch-up, verify "
-                "windows); empty: 1", "cli": False})
+        "help": "tokens per sequence of the uniform steps captured as CUDA graphs (default: the steps the "
+                "runtime sends: 1 and num_speculative_tokens + 1 on the target, decode and verify windows; 1 and "
+                "2 on the draft, its passes and its catch-up after a fully accepted window)", "cli": False})
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
