@@ -65,10 +65,13 @@ class CudaGraphCapture:
             self._capturing = graph.pool()
             try:
                 fn()
-            finally:
-                # Raises when the capture was invalidated; then the pool routing is still
-                # on, for ``abandon`` to end.
-                graph.capture_end()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass                # invalidated: the pool routing is still on, for ``abandon`` to end
+                raise                   # the forward's own error, which says what broke the capture
+            graph.capture_end()         # may raise too: ``abandon`` then ends the routing
             self._capturing = None
         if self._pool is None:
             self._pool = graph.pool()

@@ -8,9 +8,11 @@ does, so that workers sharing a GPU do not each size against the same free memor
     KV bytes = share * total - held - reserve       (capped by free - reserve)
     held     = what each worker allocated loading its model, measured after the native
                executor made its copies and the transformers modules were dropped
-    reserve  = what its steps will allocate: the peak of its largest eager step plus its
-               CUDA graph pool (the peak of its largest bucket: graphs are captured
-               largest first into one pool, and later ones reuse that memory)
+    reserve  = what its steps will allocate: each worker's CUDA graph pool (the peak of
+               its largest bucket: graphs are captured largest first into one pool, and
+               later ones reuse that memory), plus the peak of the largest eager step
+               (workers of one process step one at a time and reuse each other's
+               activation memory: the largest of theirs, not the sum)
 
 ``held`` and ``reserve`` count this process's allocations only (``memory_allocated``):
 another process on the GPU changes ``free``, not what a worker thinks it owns. Workers
@@ -39,7 +41,12 @@ class MemoryNeed:
     per_block: int          # one KV block, every layer, K and V
     useful: int             # blocks for max_num_seqs sequences at full length
     held: int = 0
-    reserve: int = 0
+    activations: int = 0    # the peak of its largest eager step
+    graph_pool: int = 0     # held for good by its CUDA graphs
+
+    @property
+    def reserve(self) -> int:
+        return self.activations + self.graph_pool
 
 
 def block_bytes(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -62,7 +69,8 @@ def plan_blocks(needs: list[MemoryNeed], share: float | None, mem_get_info: Call
         return [max(1, min(n.useful, CPU_BUDGET // n.per_block)) for n in needs]
     share = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     free, total = (mem_get_info or torch.cuda.mem_get_info)(dev)
-    held, reserve = sum(n.held for n in needs), sum(n.reserve for n in needs)
+    held = sum(n.held for n in needs)
+    reserve = sum(n.graph_pool for n in needs) + max(n.activations for n in needs)
     budget = kv_budget(share, total, free, held, reserve)
     blocks = min(min(n.useful for n in needs), budget // sum(n.per_block for n in needs))
     if blocks < 1:

@@ -61,9 +61,10 @@ class ModelRunner:
         layers, kvh, head_dim = kv_shape(self.config)
         useful = cache.max_num_seqs * -(-(self.max_model_len + 1) // cache.block_size)
         sized = self.device.type == "cuda" and not cache.num_kv_blocks
+        activations, graph_pool = self.profile_reserve() if sized else (0, 0)
         self.need = memory_budget.MemoryNeed(
             self.device, memory_budget.block_bytes(layers, kvh, head_dim, cache.block_size, self.dtype), useful,
-            held=memory_budget.allocated(self.device) - before, reserve=self.profile_reserve() if sized else 0)
+            held=memory_budget.allocated(self.device) - before, activations=activations, graph_pool=graph_pool)
         self.kv: KVCache | None = None
         self.graphs: step_graphs.StepGraphs | None = None
         self.graph_failure: str | None = None    # why capture failed: every step then runs eagerly
@@ -79,6 +80,7 @@ class ModelRunner:
         if self.wants_graphs:
             self._capture()
 
+    @torch.inference_mode()
     def _capture(self) -> None:
         graphs = step_graphs.StepGraphs(self.native, self.kv, self.max_num_seqs, self.max_model_len,
                                         self.query_lens, graph_capture.for_device(self.device))
@@ -92,13 +94,15 @@ class ModelRunner:
             return
         self.graph_capture_s = time.perf_counter() - t0
         self.graphs = graphs
+        # The warm-ups' blocks are cached for the capture stream, where no step runs.
+        memory_budget.release(self.device)
         log.info("specray executor: %d CUDA graphs of %s captured in %.1f s (batch up to %d, q in %s)",
                  graphs.captured, self.path, self.graph_capture_s, graphs.batches[-1], graphs.query_lens)
 
-    def profile_reserve(self) -> int:
+    def profile_reserve(self) -> tuple[int, int]:
         """Bytes this worker's steps will allocate beyond its weights and KV cache: the peak
         of its largest eager steps (a prefill of ``max_num_batched_tokens`` tokens; every
-        sequence verifying its widest window at full length, logits included) plus its
+        sequence verifying its widest window at full length, logits included), and its
         graph pool (the largest bucket's forward). Run over a one-block scratch cache (every
         table points at block 0): activations do not depend on the cache's size."""
         reserve = self._measure_reserve()
@@ -106,7 +110,7 @@ class ModelRunner:
         return reserve
 
     @torch.inference_mode()
-    def _measure_reserve(self) -> int:
+    def _measure_reserve(self) -> tuple[int, int]:
         cache, dev, window = self.cache_config, self.device, self.max_model_len
         tmp = KVCache(self.config, 1, cache.block_size, self.dtype, dev)
         bs = cache.block_size
@@ -127,13 +131,14 @@ class ModelRunner:
             self._eager(tmp.layers, [[0] * -(-(ctx + q) // bs)] * n, [ctx] * n, [q] * n,
                         torch.zeros(n * q, dtype=torch.long, device=dev), torch.arange(n * q, device=dev))
 
-        reserve = max(memory_budget.peak_bytes(dev, prefill), memory_budget.peak_bytes(dev, verify))
+        activations = max(memory_budget.peak_bytes(dev, prefill), memory_budget.peak_bytes(dev, verify))
+        pool = 0
         if self.wants_graphs:
             g = step_graphs.StepGraphs(self.native, tmp, self.max_num_seqs, window, self.query_lens,
                                        graph_capture.Uncaptured())
             if g.buckets:
-                reserve += memory_budget.peak_bytes(dev, lambda: g.run_once(g.buckets[0]))
-        return reserve
+                pool = memory_budget.peak_bytes(dev, lambda: g.run_once(g.buckets[0]))
+        return activations, pool
 
     def graph_stats(self) -> dict:
         """Whether this worker's steps replayed CUDA graphs: what ``metrics()`` reports."""

@@ -8,7 +8,6 @@ served steps go through the same static buffers a CUDA graph reads and writes.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specray_testing import hf_greedy, model_runner
 
@@ -148,7 +147,7 @@ def test_profile_and_capture_write_no_block_a_sequence_owns(tiny_model, capturer
     captures' warm-ups wrote the scratch block only."""
     capturers()
     r = runner(tiny_model("llama", seed=53))
-    assert r.profile_reserve() == 0
+    assert r.profile_reserve() == (0, 0)
     assert r.need.reserve == 0 and r.need.held == 0
     per_block = sum(t.numel() * t.element_size() for layer in r.kv.layers for t in layer) // (r.num_blocks + 1)
     assert r.need.per_block == per_block

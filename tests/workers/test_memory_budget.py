@@ -28,15 +28,24 @@ def test_budget_is_the_share_less_what_is_held_and_needed():
 
 
 def test_blocks_from_the_budget_and_capped_by_what_sequences_can_use():
-    need = MemoryNeed(CUDA, per_block=GIB // 16, useful=10**6, held=20 * GIB, reserve=4 * GIB)
+    need = MemoryNeed(CUDA, per_block=GIB // 16, useful=10**6, held=20 * GIB, activations=3 * GIB, graph_pool=GIB)
     assert plan_blocks([need], 0.9, stub(free=80 * GIB)) == [(90 - 24) * 16]
-    few = MemoryNeed(CUDA, per_block=GIB // 16, useful=100, held=20 * GIB, reserve=4 * GIB)
+    few = MemoryNeed(CUDA, per_block=GIB // 16, useful=100, held=20 * GIB, activations=3 * GIB, graph_pool=GIB)
     assert plan_blocks([few], 0.9, stub(free=80 * GIB)) == [100]
     assert plan_blocks([need], None, stub(free=80 * GIB)) == [(90 - 24) * 16]    # the default share
 
 
+def test_one_process_reserves_every_graph_pool_and_its_largest_step():
+    """Sized together, a target and its draft keep both graph pools but step one at a time:
+    the larger of their activation peaks, not the sum, and the same blocks each."""
+    target = MemoryNeed(CUDA, per_block=GIB // 8, useful=10**6, held=20 * GIB, activations=4 * GIB, graph_pool=GIB)
+    draft = MemoryNeed(CUDA, per_block=GIB // 8, useful=10**6, held=2 * GIB, activations=GIB, graph_pool=GIB)
+    blocks = plan_blocks([target, draft], 0.9, stub(free=78 * GIB))
+    assert blocks == [(90 - 22 - 2 - 4) * 8 // 2] * 2
+
+
 def test_a_share_that_cannot_hold_one_block_is_refused():
-    need = MemoryNeed(CUDA, per_block=GIB, useful=100, held=40 * GIB, reserve=5 * GIB)
+    need = MemoryNeed(CUDA, per_block=GIB, useful=100, held=40 * GIB, activations=5 * GIB)
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.45 .* leaves no room for a KV block"):
         plan_blocks([need], 0.45, stub(free=60 * GIB))
 
@@ -46,8 +55,8 @@ def test_two_workers_sizing_at_once_fit_the_gpu_together():
     old rule) would book the whole GPU twice over their weights; each worker's own share
     keeps the sum within the utilization."""
     total = 100 * GIB
-    target = MemoryNeed(CUDA, per_block=GIB // 8, useful=10**6, held=30 * GIB, reserve=3 * GIB)
-    draft = MemoryNeed(CUDA, per_block=GIB // 64, useful=10**6, held=2 * GIB, reserve=1 * GIB)
+    target = MemoryNeed(CUDA, per_block=GIB // 8, useful=10**6, held=30 * GIB, activations=2 * GIB, graph_pool=GIB)
+    draft = MemoryNeed(CUDA, per_block=GIB // 64, useful=10**6, held=2 * GIB, activations=GIB)
     free = total - target.held - draft.held          # both loaded, neither has a cache yet
     shares = {"target": worker_pool.worker_cache(CacheConfig(), 0.5).gpu_memory_utilization,
               "draft": worker_pool.worker_cache(CacheConfig(), 0.5).gpu_memory_utilization}
