@@ -25,6 +25,9 @@ class WorkerActor:
     def num_blocks(self) -> int:
         return self.worker.num_blocks()
 
+    def graph_stats(self) -> dict:
+        return self.worker.graph_stats()
+
     def ready(self) -> bool:
         return True
 

@@ -104,10 +104,10 @@ class RuntimeConfig:
         self, target: str = _UNSET, draft: str | None = _UNSET, *,
         # ModelConfig
         device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET, executor: str = _UNSET,
-        cuda_graphs: bool = _UNSET,
+        cuda_graphs: bool = _UNSET, cuda_graph_query_lens: tuple = _UNSET,
         # CacheConfig
         block_size: int = _UNSET, num_kv_blocks: int | None = _UNSET, max_num_seqs: int = _UNSET,
-        max_num_batched_tokens: int = _UNSET,
+        max_num_batched_tokens: int = _UNSET, gpu_memory_utilization: float | None = _UNSET,
         # SpeculationConfig
         proposer: str = _UNSET, num_speculative_tokens: int = _UNSET, speculation_policy: str = _UNSET,
         disable_by_batch_size: int | None = _UNSET, policy_options: dict = _UNSET, overlap: bool = _UNSET,

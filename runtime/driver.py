@@ -332,7 +332,11 @@ class DriverCore:
         return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
                              seq.num_draft_tokens, seq.num_accepted_tokens)
 
-    def metrics(self) -> dict:
+    def metrics(self, workers: bool = True) -> dict:
+        """``workers``: also ask each model worker whether its steps replayed CUDA graphs
+        (``worker_graphs``, one entry per worker, targets first; None where an actor did not
+        answer), and their sums. The periodic export leaves that out: a dead actor would
+        hold the step loop for the call's timeout."""
         m = self.scheduler.stats.as_dict()
         dead_drafts, dead_targets = self.engine.dead()
         m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
@@ -353,6 +357,12 @@ class DriverCore:
                  last_error=self._last_error)
         if self.pool.suffix is not None:
             m.update(self.pool.suffix.stats())
+        if workers:
+            graphs = self.pool.graph_stats()
+            live = [g for g in graphs if g is not None]
+            m.update(worker_graphs=graphs, graph_replays=sum(g["graph_replays"] for g in live),
+                     eager_forwards=sum(g["eager_forwards"] for g in live),
+                     graph_capture_failures=sum(g["graph_capture_failure"] is not None for g in live))
         return m
 
     def shutdown(self) -> None:
@@ -415,7 +425,7 @@ class DriverCore:
         if self._exporter is None:
             return
         try:
-            self._exporter.update(self.metrics())
+            self._exporter.update(self.metrics(workers=False))
         except Exception as e:  # noqa: BLE001 - metrics must not stop the serving
             # Raised here, it ended the step loop: every request then waited for ever.
             self._last_error = f"metrics export: {type(e).__name__}: {e}"

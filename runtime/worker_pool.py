@@ -1,7 +1,12 @@
 """Start the draft and target workers and hand them to the engine as WorkerCalls.
 
 On Ray each worker is an actor asking for exactly its configured resources (plus one GPU
-on CUDA, ``num_cpus=0`` unless configured). Workers go into one placement group, one
+on CUDA, ``num_cpus=0`` unless configured), and holds at most its own share of that GPU's
+memory (``CacheConfig.gpu_memory_utilization``, default 0.9 times the part of a GPU it asks
+for): workers that load at the same time on one GPU each size their KV cache from their
+own share, not from the free memory the other has not taken yet. Workers in this process
+(co-located) are loaded first and sized together from the process's share, the same
+number of blocks each. Workers go into one placement group, one
 bundle each, with the configured strategy (SPREAD by default: workers of one kind land on
 distinct nodes when the cluster has them; PACK co-locates; STRICT_SPREAD insists).
 Bundles must ask for something, so with no resources configured the actors are spread
@@ -12,10 +17,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specray.runtime.config import RuntimeConfig
+from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
+from specray.workers.config import ModelConfig
 from specray.runtime.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
 from specray.workers.ngram_proposer import NgramProposer
 from specray.workers.suffix_proposer import SuffixProposer
@@ -30,6 +37,24 @@ class WorkerPool:
     actors: list = field(default_factory=list)
     placement_group: Any = None
     suffix: SuffixProposer | None = None     # suffix decoding, in this process (alone or beside the drafts)
+    local_workers: list = field(default_factory=list)   # model workers in this process (co-located)
+
+    def graph_stats(self, timeout_s: float = 5.0) -> list[dict | None]:
+        """Each model worker's ``graph_stats()`` (targets, then drafts); None for an actor
+        that did not answer within ``timeout_s`` (dead, restarting, or busy past it)."""
+        out: list[dict | None] = [w.graph_stats() for w in self.local_workers]
+        if self.actors:
+            import ray
+
+            refs = [a.graph_stats.remote() for a in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            done = set(ready)
+            for ref in refs:
+                try:
+                    out.append(ray.get(ref) if ref in done else None)
+                except Exception:  # noqa: BLE001 - a dead worker has no figures, the metrics still answer
+                    out.append(None)
+        return out
 
     def release(self) -> None:
         for call in self.verifiers + self.proposers:
@@ -103,24 +128,54 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     from specray.workers.draft_worker import DraftWorker
     from specray.workers.target_worker import TargetWorker
 
+    from specray.workers.memory_budget import plan_blocks
+
     # In this process a model's load cannot be stopped halfway: look between workers.
     cluster = cfg.cluster
-    targets = []
+    targets, drafts = [], []
     for _ in range(cluster.num_target_workers):
         _check(cancel)
-        targets.append(TargetWorker(cfg.model, cfg.cache))
-    verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
-    proposers, d_blocks = [], None
+        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
     if cfg.speculation.draft_model:
-        drafts = []
         for _ in range(cluster.num_draft_workers):
             _check(cancel)
-            drafts.append(DraftWorker(cfg.model, cfg.cache))
-        proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
-        d_blocks = [d.num_blocks() for d in drafts]
-    pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks)
+            drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
+    workers = targets + drafts
+    # Every model is in before any cache is sized: they share this process's part of the GPU.
+    share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
+    blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
+        plan_blocks([w.runner.need for w in workers], share)
+    for w, b in zip(workers, blocks):
+        _check(cancel)
+        w.runner.allocate(b)
+    verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
+    proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
+    d_blocks = [d.num_blocks() for d in drafts] if drafts else None
+    pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks, local_workers=workers)
     pool.proposers += _host_proposers(cfg, pool)
     return pool
+
+
+def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
+    """The model section a ``kind`` ("target" or "draft") worker is built with: the
+    uniform steps it will be sent, for its CUDA graphs, unless configured."""
+    if cfg.model.cuda_graph_query_lens:
+        return cfg.model
+    k = cfg.speculation.num_speculative_tokens
+    lens = (1, 2) if kind == "draft" else tuple(sorted({1, k + 1}))
+    return replace(cfg.model, cuda_graph_query_lens=lens)
+
+
+def _gpu_part(resources: dict) -> float:
+    """The part of one GPU a worker asking Ray for ``resources`` holds (one GPU unless named)."""
+    return min(1.0, float(resources.get("GPU", 1)) or 1.0)
+
+
+def worker_cache(cache: CacheConfig, gpu_part: float) -> CacheConfig:
+    """The cache section one GPU worker actor is built with: its own memory share."""
+    if cache.gpu_memory_utilization is not None or gpu_part <= 0:
+        return cache
+    return replace(cache, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION * min(1.0, gpu_part))
 
 
 def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
@@ -161,7 +216,8 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
             else:
                 strategy = "SPREAD"
             actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cluster.max_worker_restarts,
-                                      max_task_retries=0).remote(cfg.model, cfg.cache))
+                                      max_task_retries=0).remote(worker_model(cfg, kind),
+                                                                 worker_cache(cfg.cache, opts["num_gpus"])))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]

@@ -16,6 +16,11 @@ DRAFT_MODEL_PROPOSERS = ("draft", "draft+suffix")
 POLICIES = ("static", "adaptive")
 
 
+# The part of a worker's GPU share its memory may fill (vLLM's default): the rest is left
+# to the CUDA context, the allocator's fragmentation and other tenants' small needs.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
 def check_int(name: str, value, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -46,6 +51,10 @@ class CacheConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step, at most"})
     max_num_batched_tokens: int = field(default=8192, metadata={
         "help": "prefill budget per step for newly admitted requests"})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "on CUDA, the fraction of one GPU's total memory a worker may hold: weights, KV cache, CUDA "
+                "graphs, activations (co-located: the driver's workers together) (default: 0.9 times the part "
+                "of a GPU it asks Ray for)"})
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
@@ -53,6 +62,9 @@ class CacheConfig:
             check_int("num_kv_blocks", self.num_kv_blocks)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,11 @@ class ModelConfig:
                 "native (refuse other models) or transformers", "choices": EXECUTORS})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "on CUDA, replay decode and verify steps of the native executor as CUDA graphs "
-                "(captured per batch bucket on first use); off: every step eager"})
+                "(every batch bucket captured at start-up); off: every step eager"})
+    cuda_graph_query_lens: tuple = field(default=(), metadata={
+        "help": "tokens per sequence of the uniform steps captured as CUDA graphs (default: the steps the "
+                "runtime sends: 1 and num_speculative_tokens + 1 on the target, decode and verify windows; 1 and "
+                "2 on the draft, its passes and its catch-up after a fully accepted window)", "cli": False})
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -45,3 +49,6 @@ class ModelConfig:
         check_choice("executor", self.executor, EXECUTORS)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        lens = self.cuda_graph_query_lens
+        if not isinstance(lens, tuple) or any(isinstance(q, bool) or not isinstance(q, int) or q < 1 for q in lens):
+            raise ValueError(f"cuda_graph_query_lens must be a tuple of ints >= 1, got {lens!r}")

@@ -31,11 +31,14 @@ from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_prob
 
 
 class DraftWorker(ModelWorker):
-    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
-        """Runs ``model.draft``; ``model.target``'s window and vocabulary bound it."""
+    kind = "draft"
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
+        """Runs ``model.draft``; ``model.target``'s window and vocabulary bound it
+        (``allocate`` as for ``TargetWorker``)."""
         if not model.draft:
             raise ValueError("a draft worker needs ModelConfig.draft")
-        super().__init__(model.draft, model, cache, window_of=model.target)
+        super().__init__(model.draft, model, cache, window_of=model.target, allocate=allocate)
         own = self.runner.vocab_size
         # The target whose window bounds this draft's also bounds the ids it may propose.
         self.target_vocab = model_loader.load_config(model.target).vocab_size

@@ -16,21 +16,6 @@ def kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kvh, head_dim
 
 
-def default_num_blocks(config, block_size: int, dtype: torch.dtype, device: torch.device,
-                       max_model_len: int, max_num_seqs: int) -> int:
-    """Enough blocks for every sequence at full length, capped by a memory budget:
-    half the free memory on CUDA, 2 GiB on CPU."""
-    layers, kvh, head_dim = kv_shape(config)
-    per_block = 2 * layers * block_size * kvh * head_dim * torch.tensor([], dtype=dtype).element_size()
-    useful = max_num_seqs * -(-(max_model_len + 1) // block_size)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free // 2
-    else:
-        budget = 2 * 1024**3
-    return max(1, min(useful, budget // per_block))
-
-
 class KVCache:
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         layers, kvh, head_dim = kv_shape(config)

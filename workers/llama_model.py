@@ -11,7 +11,8 @@ no transformers masks or caches. Attention is specray's paged attention
 ``supports(hf_model)`` says whether a loaded model can run here (else ``None`` and the
 reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
 ``forward(input_ids [T], positions [T], meta, logits_index [m], tail=None)`` returns
-logits [m, V] in the model's dtype, equal in math to transformers' forward.
+logits [m, V] in the model's dtype, equal in math to transformers' forward; it is
+``logits(hidden_states(...))``, split so that a CUDA graph can stop before the head.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class NativeCausalLM:
         raise TypeError("use NativeCausalLM.from_hf")
 
     @classmethod
-    def from_hf(cls, hf_model, max_len: int) -> "NativeCausalLM":
+    def from_hf(cls, hf_model, max_len: int, release: bool = False) -> "NativeCausalLM":
+        """``release``: empty each of ``hf_model``'s layers once its weights are fused, so
+        the build holds the model plus one layer's copies at its peak, not the model twice
+        (the caller drops ``hf_model``)."""
         why = supports(hf_model)
         if why:
             raise ValueError(f"native executor cannot run this model: {why}")
@@ -114,6 +118,9 @@ class NativeCausalLM:
                 getattr(config, "sliding_window", None)
             L.scaling = a.scaling
             self.layers.append(L)
+            if release:
+                # The norms' weights are shared, not copied: L holds them.
+                inner.layers[i] = torch.nn.Identity()
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.inter = self.layers[0].gate_up_w.shape[1] // 2 if self.layers else 0
@@ -124,6 +131,17 @@ class NativeCausalLM:
         """``tail``: the rows ``logits_index`` draws from, when they are few (a prefill
         wants one row per sequence): the last layer writes every row's K/V, then attends,
         projects and runs its MLP for those rows alone; no other row's output is read."""
+        return self.logits(self.hidden_states(input_ids, positions, meta, logits_index, tail))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [m, D] (normed) -> logits [m, V]."""
+        return _mm(hidden, self.lm_head)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+        """The normed final hidden states [m, D] of ``logits_index``: what ``logits`` projects.
+        A CUDA graph captures this much and leaves the vocabulary projection out, so its
+        output is [rows, D], not [rows, V] (``step_graphs``)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions)
         t = h.shape[0]
@@ -155,4 +173,4 @@ class NativeCausalLM:
             h = _mm(self.act(gu[:, :self.inter]) * gu[:, self.inter:], L.down_w)
         h = residual + h
         h = h.index_select(0, logits_index)
-        return _mm(rms_norm(h, self.norm, self.eps), self.lm_head)
+        return rms_norm(h, self.norm, self.eps)

@@ -5,28 +5,43 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 
 import torch
 
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan
-from specray.workers import llama_model, model_loader, step_graphs
+from specray.workers import graph_capture, host_copy, llama_model, memory_budget, model_loader, step_graphs
 from specray.workers.config import ModelConfig
 from specray.workers.errors import PlanError
-from specray.workers.kv_cache import KVCache, default_num_blocks
+from specray.workers.kv_cache import KVCache, kv_shape
 from specray.workers.paged_attention import build_metadata, query_tail
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None) -> None:
+    """Start-up order (each step needs the one before)::
+
+        load the checkpoint -> native executor (its own fused copies) -> drop the
+        transformers modules, free -> measure what this worker holds and what its steps
+        will need -> size and allocate the KV cache -> capture every CUDA graph bucket
+
+    so the KV budget never counts weights held twice, and no step pays for a capture.
+    With ``allocate=False`` the runner stops before the KV cache: the caller sizes several
+    runners of one process together (``memory_budget.plan_blocks`` over their ``need``)
+    and calls ``allocate`` on each."""
+
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None,
+                 allocate: bool = True) -> None:
         """``path``: the checkpoint this runner loads (the target or the draft of ``model``);
         ``window_of``: another checkpoint whose context window also bounds this one's (the
         draft serves the target's sequences). Read here, so the driver can start workers
         before it has loaded any config itself."""
         self.path = path
+        self.cache_config = cache
         self.max_num_seqs = cache.max_num_seqs
+        before = memory_budget.allocated(model_loader.resolve_device(model.device))
         self.model, self.config, self.device, self.dtype = model_loader.load_model(path, model.dtype, model.device)
         self.vocab_size = self.config.vocab_size
         # The driver never plans past the smaller of its max_model_len and the models' own
@@ -35,20 +50,103 @@ class ModelRunner:
         if window_of:
             windows.append(model_loader.max_model_len(model_loader.load_config(window_of)))
         self.max_model_len = min(w for w in windows if w)
-        num_blocks = cache.num_kv_blocks or default_num_blocks(
-            self.config, cache.block_size, self.dtype, self.device, self.max_model_len, cache.max_num_seqs)
-        self.kv = KVCache(self.config, num_blocks, cache.block_size, self.dtype, self.device)
         self.native = self._select_executor(model.executor)
         if self.native is not None:
             # The native executor holds its own fused, transposed copies: drop the modules so
-            # the weights are not held twice.
+            # the weights are not held twice (and are not counted twice below).
             self.model = None
-        self.graphs = None
-        if self.native is not None and model.cuda_graphs and step_graphs.available(self.device):
-            self.graphs = step_graphs.StepGraphs(self.native, self.kv, cache.max_num_seqs, self.max_model_len,
-                                                 capture=self.device.type == "cuda")
-            log.info("specray executor: decode and verify steps of %s replay CUDA graphs (batch buckets up to %d)",
-                     path, cache.max_num_seqs)
+        memory_budget.release(self.device)
+        self.query_lens = tuple(model.cuda_graph_query_lens) or (1,)
+        self.wants_graphs = self.native is not None and model.cuda_graphs and step_graphs.available(self.device)
+        layers, kvh, head_dim = kv_shape(self.config)
+        useful = cache.max_num_seqs * -(-(self.max_model_len + 1) // cache.block_size)
+        sized = self.device.type == "cuda" and not cache.num_kv_blocks
+        activations, graph_pool = self.profile_reserve() if sized else (0, 0)
+        self.need = memory_budget.MemoryNeed(
+            self.device, memory_budget.block_bytes(layers, kvh, head_dim, cache.block_size, self.dtype), useful,
+            held=memory_budget.allocated(self.device) - before, activations=activations, graph_pool=graph_pool)
+        self.kv: KVCache | None = None
+        self.graphs: step_graphs.StepGraphs | None = None
+        self.graph_failure: str | None = None    # why capture failed: every step then runs eagerly
+        self.graph_capture_s = 0.0
+        self.eager_forwards = 0
+        if allocate:
+            self.allocate(cache.num_kv_blocks or memory_budget.plan_blocks(
+                [self.need], cache.gpu_memory_utilization)[0])
+
+    def allocate(self, num_blocks: int) -> None:
+        """The KV cache, then (where they apply) every CUDA graph over it."""
+        self.kv = KVCache(self.config, num_blocks, self.cache_config.block_size, self.dtype, self.device)
+        if self.wants_graphs:
+            self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        graphs = step_graphs.StepGraphs(self.native, self.kv, self.max_num_seqs, self.max_model_len,
+                                        self.query_lens, graph_capture.for_device(self.device))
+        t0 = time.perf_counter()
+        try:
+            graphs.capture_all()
+        except step_graphs.GraphCaptureError as e:
+            self.graph_failure = str(e)
+            log.warning("specray: CUDA graph capture for %s failed (%s); every step runs eagerly",
+                        self.path, self.graph_failure)
+            return
+        self.graph_capture_s = time.perf_counter() - t0
+        self.graphs = graphs
+        # The warm-ups' blocks are cached for the capture stream, where no step runs.
+        memory_budget.release(self.device)
+        log.info("specray executor: %d CUDA graphs of %s captured in %.1f s (batch up to %d, q in %s)",
+                 graphs.captured, self.path, self.graph_capture_s, graphs.batches[-1], graphs.query_lens)
+
+    def profile_reserve(self) -> tuple[int, int]:
+        """Bytes this worker's steps will allocate beyond its weights and KV cache: the peak
+        of its largest eager steps (a prefill of ``max_num_batched_tokens`` tokens; every
+        sequence verifying its widest window at full length, logits included), and its
+        graph pool (the largest bucket's forward). Run over a one-block scratch cache (every
+        table points at block 0): activations do not depend on the cache's size."""
+        reserve = self._measure_reserve()
+        memory_budget.release(self.device)        # the profile's buffers go back before sizing
+        return reserve
+
+    @torch.inference_mode()
+    def _measure_reserve(self) -> tuple[int, int]:
+        cache, dev, window = self.cache_config, self.device, self.max_model_len
+        tmp = KVCache(self.config, 1, cache.block_size, self.dtype, dev)
+        bs = cache.block_size
+        total = min(cache.max_num_batched_tokens, self.max_num_seqs * (window - 1))
+        per = max(1, min(window - 1, total))
+        lens = [per] * (total // per) + ([total % per] if total % per else [])
+
+        def prefill():
+            ends = torch.tensor(lens).cumsum(0) - 1
+            self._eager(tmp.layers, [[0] * -(-n // bs) for n in lens], [0] * len(lens), lens,
+                        torch.zeros(sum(lens), dtype=torch.long, device=dev), ends.to(dev))
+
+        q = max(self.query_lens, default=1)
+        ctx = max(0, window - q)
+        n = self.max_num_seqs
+
+        def verify():
+            self._eager(tmp.layers, [[0] * -(-(ctx + q) // bs)] * n, [ctx] * n, [q] * n,
+                        torch.zeros(n * q, dtype=torch.long, device=dev), torch.arange(n * q, device=dev))
+
+        activations = max(memory_budget.peak_bytes(dev, prefill), memory_budget.peak_bytes(dev, verify))
+        pool = 0
+        if self.wants_graphs:
+            g = step_graphs.StepGraphs(self.native, tmp, self.max_num_seqs, window, self.query_lens,
+                                       graph_capture.Uncaptured())
+            if g.buckets:
+                pool = memory_budget.peak_bytes(dev, lambda: g.run_once(g.buckets[0]))
+        return activations, pool
+
+    def graph_stats(self) -> dict:
+        """Whether this worker's steps replayed CUDA graphs: what ``metrics()`` reports."""
+        g = self.graphs
+        return {"executor": self.executor, "graphs_captured": g.captured if g else 0,
+                "graph_replays": g.replays if g else 0, "eager_forwards": self.eager_forwards,
+                "graph_capture_failure": self.graph_failure, "graph_capture_s": round(self.graph_capture_s, 3),
+                "kv_blocks": self.num_blocks}
 
     def _select_executor(self, choice: str):
         """specray's own executor for the families it covers, else transformers' modules
@@ -59,7 +157,7 @@ class ModelRunner:
         if why:
             log.info("specray executor: %s runs on the transformers path (%s)", self.path, why)
             return None
-        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len)
+        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len, release=True)
         log.info("specray executor: %s runs on the native %s executor", self.path, self.config.model_type)
         return native
 
@@ -107,31 +205,42 @@ class ModelRunner:
         runs on them alone. Returns float32 [m, V]."""
         tables = self.kv.tables(seq_ids)
         if self.graphs is not None:
-            out = self.graphs.run(tables, num_computed, num_new, input_ids, logits_index)
-            if out is not None:
-                return out.float()
-        meta, positions = build_metadata(self.kv.layers, tables, num_computed, num_new, self.kv.block_size,
+            hidden = self.graphs.run(tables, num_computed, num_new, input_ids, logits_index)
+            if hidden is not None:
+                return self.native.logits(hidden).float()
+        self.eager_forwards += 1
+        return self._eager(self.kv.layers, tables, num_computed, num_new, input_ids, logits_index, tail)
+
+    def _eager(self, layers, tables: list[list[int]], num_computed: list[int], num_new: list[int],
+               input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None) -> torch.Tensor:
+        meta, positions = build_metadata(layers, tables, num_computed, num_new, self.cache_config.block_size,
                                          self.device)
         if self.native is not None:
             tail_step = None
             # A tail longer than what its sequence feeds would reach into the one before.
             if tail is not None and 2 * sum(tail) <= input_ids.shape[0] and all(map(int.__le__, tail, num_new)):
-                tail_step = query_tail(self.kv.layers, tables, num_computed, num_new, tail, logits_index,
-                                       self.kv.block_size, self.device)
+                tail_step = query_tail(layers, tables, num_computed, num_new, tail, logits_index,
+                                       self.cache_config.block_size, self.device)
             return self.native.forward(input_ids, positions, meta, logits_index, tail_step).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                          use_cache=False, logits_to_keep=logits_index, specray_meta=meta)
         return out.logits[0].float()
 
     def to_device(self, values: list[int], dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return host_copy.to_device(values, self.device, dtype)
 
 
 class ModelWorker:
     """What draft and target workers share: a model runner and what the driver asks of it."""
 
-    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None) -> None:
-        self.runner = ModelRunner(path, model, cache, window_of)
+    kind = "model"
+
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None,
+                 allocate: bool = True) -> None:
+        self.runner = ModelRunner(path, model, cache, window_of, allocate)
+
+    def graph_stats(self) -> dict:
+        return {"kind": self.kind, **self.runner.graph_stats()}
 
     def num_blocks(self) -> int:
         return self.runner.num_blocks

@@ -17,7 +17,9 @@ Layout, block_size = 4, two sequences (s0: 5 cached + 2 new, s1: 0 cached + 3 ne
 
 Each layer writes the new K/V into the cache, gathers every sequence's whole blocks into
 a padded ``[n, W * block_size]`` context and runs one masked SDPA for the whole batch
-(a batch with nothing cached attends over its own K/V instead).
+(a batch with nothing cached attends over its own K/V instead). Grouped-query attention
+with a mask folds each KV head's query heads into one longer query, so no K/V is copied and
+SDPA's fused kernels apply (see ``attend``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from specray.workers.host_copy import to_device
 
 ATTENTION_NAME = "specray_paged"
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -53,12 +57,15 @@ class AttentionMetadata:
             return self.max_query_len
         return self.block_index.numel() // self.num_seqs * self.block_size
 
-    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [n, 1, Qmax, context_len] mask, built by the first layer that asks:
-        layers differ at most in their window. Causality alone hides the keys past each
-        sequence's context (padding keys, stale slots); padding query rows repeat a real
-        row, so no row is fully masked (SDPA would give NaN)."""
-        key = (sliding_window, dtype)
+    def mask(self, sliding_window: int | None, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+        """Additive [n, 1, groups * Qmax, context_len] mask (row ``g * Qmax + j`` is query row
+        j's, see ``attend``), built by the first layer that asks: layers differ at most in
+        their window. Causality alone hides the keys past each sequence's context (padding
+        keys, stale slots); padding query rows repeat a real row, so no row is fully masked
+        (SDPA would give NaN)."""
+        key = (sliding_window, dtype, groups)
+        if key not in self._masks and groups > 1:
+            self._masks[key] = self.mask(sliding_window, dtype).repeat(1, 1, groups, 1)
         if key not in self._masks:
             key_pos = torch.arange(self.context_len, device=self.q_positions.device)
             q = self.q_positions.unsqueeze(-1)                              # [n, Qmax, 1]
@@ -117,7 +124,7 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
             q_src += [packed_start + q - 1] * (qmax - q)
             q_index += range(i * qmax, i * qmax + q)
             packed_start += q
-    ints = torch.tensor(blocks + q_positions + q_src + q_index, dtype=torch.long).to(device, non_blocking=True)
+    ints = to_device(blocks + q_positions + q_src + q_index, device)
     block_index, q_pos, q_src_t, q_index_t = ints.split([len(blocks), n * qmax, len(q_src), len(q_index)])
     q_pos = q_pos.view(n, qmax)
     positions, slots = q_pos.view(-1), slot_mapping(block_index, q_pos, width, block_size)
@@ -156,7 +163,7 @@ def query_tail(kv_caches, block_tables: list[list[int]], num_computed: list[int]
             computed.append(c + q - r)
             tail.append(r)
     meta, _ = build_metadata(kv_caches, tables, computed, tail, block_size, device)
-    rows_t = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    rows_t = to_device(rows, device)
     remap = torch.full((end,), -1, dtype=torch.long, device=device)
     remap[rows_t] = torch.arange(len(rows), device=device)
     return QueryTail(meta, rows_t, remap[logits_index])
@@ -200,14 +207,25 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         k_ctx, v_ctx = padded(k), padded(v)
     else:
         k_ctx, v_ctx = map(context, (k_cache, v_cache), meta.context_buffers(k_cache))
-    if kvh != heads and not _HAS_GQA:
-        k_ctx = k_ctx.repeat_interleave(heads // kvh, dim=1)
-        v_ctx = v_ctx.repeat_interleave(heads // kvh, dim=1)
-    extra = {"enable_gqa": True} if kvh != heads and _HAS_GQA else {}
-    mask = meta.mask(sliding_window, qp.dtype) if sliding_window or not meta.prefill else None
+    masked = bool(sliding_window) or not meta.prefill
+    groups = heads // kvh
+    extra = {}
+    if kvh != heads and masked:
+        # Grouped-query attention without copying K/V: the query heads of each KV head
+        # (heads kv * groups .. kv * groups + groups - 1, as repeat_kv pairs them) become
+        # one query of groups * Qmax rows, the mask repeated per group. SDPA then sees
+        # plain multi-head attention with a mask, which its fused memory-efficient kernel
+        # takes; enable_gqa with a mask leaves only the math kernel.
+        qp = qp.reshape(n, kvh, groups * qmax, d)
+    elif kvh != heads and _HAS_GQA:
+        extra = {"enable_gqa": True}          # causal, no mask: the flash kernel takes GQA
+    elif kvh != heads:
+        k_ctx = k_ctx.repeat_interleave(groups, dim=1)
+        v_ctx = v_ctx.repeat_interleave(groups, dim=1)
+    mask = meta.mask(sliding_window, qp.dtype, groups if kvh != heads else 1) if masked else None
     out = F.scaled_dot_product_attention(qp, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None,
                                          scale=scaling, **extra)
-    out = out.transpose(1, 2).reshape(n * qmax, heads, d)
+    out = out.reshape(n, heads, qmax, d).transpose(1, 2).reshape(n * qmax, heads, d)
     if meta.q_index is not None:
         out = out.index_select(0, meta.q_index)
     return out

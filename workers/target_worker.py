@@ -18,8 +18,12 @@ from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform
 
 
 class TargetWorker(ModelWorker):
-    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
-        super().__init__(model.target, model, cache)
+    kind = "target"
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
+        """``allocate=False``: the KV cache is sized later, with the process's other workers
+        (``ModelRunner``)."""
+        super().__init__(model.target, model, cache, allocate=allocate)
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:

@@ -237,6 +237,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                     check.check(f"{system}/{run.label}/b{b}", ids, gen)
                 bar.update(1)
         bar.close()
+        # Whether the timed steps replayed CUDA graphs, per runtime and worker.
+        graphs = {"/".join(str(x) for x in key if x is not None): graph_figures(rt.metrics())
+                  for key, rt in runtimes.items()}
     finally:
         for rt in runtimes.values():
             rt.shutdown()
@@ -264,8 +267,17 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "runs": [public(r) for r in runs.values()],
         "paired": paired_ratios(list(runs.values())),
         "batch1_ratios": batch1_ratios(runs),
+        "graphs": graphs,
     }
     return result
+
+
+GRAPH_FIGURES = ("graph_replays", "eager_forwards", "graph_capture_failures", "worker_graphs")
+
+
+def graph_figures(metrics: dict) -> dict:
+    """The CUDA graph part of a runtime's ``metrics()``."""
+    return {k: metrics[k] for k in GRAPH_FIGURES if k in metrics}
 
 
 def run_order(plan: list[tuple], rng: random.Random) -> list[tuple]:
