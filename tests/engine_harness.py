@@ -33,6 +33,7 @@ from specray.runtime.worker_call import WorkerLost
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
+from specray.scheduler.proposal_choice import common_prefix
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus
@@ -73,15 +74,6 @@ def make_seq(seq_id: int, prompt: list[int], max_tokens: int, stop_ids=()) -> Se
 
 def prompt_for(seq_id: int, length: int) -> list[int]:
     return [(seq_id * 13 + 5 * j + 1) % V for j in range(length)]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def roundtrip(plan: StepPlan) -> StepPlan:
