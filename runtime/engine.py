@@ -94,8 +94,10 @@ class Engine:
         plans = step.draft_plans
         beside = None
         if self.suffix_beside_drafts:
-            beside = self._propose_beside(step)
-            plans = [self._leave_to_suffix(p, beside) for p in plans]
+            longest = max((s.proposal_len for rank in step.draft_seqs for s in rank), default=0)
+            worth = self.draft_record.expected_upto(longest)      # the draft's, by proposal_len
+            beside = self._propose_beside(step, worth)
+            plans = [self._leave_to_suffix(p, beside, worth) for p in plans]
         pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(plans)
                    if p is not None and r not in skip]
         for r, h in pending:
@@ -113,28 +115,29 @@ class Engine:
             outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
         return shards
 
-    def _propose_beside(self, step: ScheduledStep) -> Proposals | None:
+    def _propose_beside(self, step: ScheduledStep, worth: list[float]) -> Proposals | None:
         """Suffix decoding's proposals for the drafting sequences whose proposal could
-        beat the draft's: at most ``proposal_len`` tokens at its calibration. Where none
-        could, its evidence fades instead, so the choice probes again later."""
-        ceiling, draft = self.suffix.ceiling(), self.draft_record
-        seqs = [s for rank in step.draft_seqs for s in rank if ceiling * s.proposal_len > draft.expected(s.proposal_len)]
+        beat the draft's (``worth[n]``: what n draft proposals are expected to keep): at
+        most ``proposal_len`` tokens at its calibration. Where none could, its evidence
+        fades instead, so the choice probes again later."""
+        ceiling = self.suffix.ceiling()
+        seqs = [s for rank in step.draft_seqs for s in rank if ceiling * s.proposal_len > worth[s.proposal_len]]
         if not seqs:
             if any(step.draft_seqs):
                 self.suffix.fade()
             return None
         return self.suffix.propose(step.step_id, seqs)
 
-    def _leave_to_suffix(self, plan: StepPlan | None, beside: Proposals | None) -> StepPlan | None:
+    def _leave_to_suffix(self, plan: StepPlan | None, beside: Proposals | None,
+                         worth: list[float]) -> StepPlan | None:
         """The draft plan with no proposals asked of the sequences whose suffix proposal
         scores more than the draft's full proposal could: they would verify the suffix's
         anyway. The draft still runs their catch-up pass (its cache stays current); the
         other passes, most of its cost, skip them."""
         if plan is None or beside is None or not plan.seq_ids:
             return plan
-        score = {sid: x for sid, x in zip(beside.seq_ids, beside.scores)}
-        draft = self.draft_record
-        lens = [0 if score.get(sid, 0.0) > draft.expected(n) else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
+        score = dict(zip(beside.seq_ids, beside.scores))
+        lens = [0 if score.get(sid, 0.0) > worth[n] else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
         return plan if lens == plan.proposal_lens else replace(plan, proposal_lens=lens)
 
     def _submit_draft(self, r: int, plan, step: ScheduledStep):

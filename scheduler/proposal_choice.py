@@ -19,35 +19,42 @@ but the last): only as many of them as the emitted tokens start with hold
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
+from specray.scheduler.adaptive.acceptance import AcceptanceEstimate, gains
 from specray.scheduler.messages import Proposals
 
 
 @dataclass
 class DraftRecord:
     """The draft model's acceptance across sequences, over the proposals the target
-    verified: discounted accepted proposals and steps that rejected one."""
+    verified: the adaptive policy's discounted counts, with a prior."""
 
     prior: float = 0.6
     prior_weight: float = 4.0
     decay: float = 0.99
-    accepted: float = 0.0
-    rejected: float = 0.0
+    counts: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.accepted = self.accepted * self.decay + accepted
-            self.rejected = self.rejected * self.decay + (accepted < proposed)
+        self.counts.observe(proposed, accepted, self.decay)
+
+    @property
+    def accepted(self) -> float:
+        return self.counts.accepted
 
     @property
     def rate(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (self.accepted + self.rejected + self.prior_weight)
+        return self.counts.rate(self.prior, self.prior_weight)
 
     def expected(self, num_proposed: int) -> float:
         """Tokens of ``num_proposed`` draft proposals expected to be accepted."""
-        a = self.rate
-        return sum(a ** j for j in range(1, num_proposed + 1))
+        return self.expected_upto(num_proposed)[num_proposed]
+
+    def expected_upto(self, longest: int) -> list[float]:
+        """``expected(n)`` for n = 0..longest, computed once (a step asks it of every
+        drafting sequence)."""
+        return [0.0, *accumulate(gains([self.rate], [longest])[0])]
 
 
 @dataclass

@@ -105,9 +105,6 @@ class SuffixProposer:
         self._proposed.pop(seq.seq_id, None)
         if self.spec.suffix_cache_requests == 0:
             return
-        if seq.seq_id in self.cache:        # cannot happen twice, but the cache stays exact if it does
-            self.cache.remove(seq.seq_id)
-            self._order.remove(seq.seq_id)
         # Its output, after as much of its prompt as a match can reach: what later requests
         # repeat is what a request emitted, and its prompt's tail is how they get there
         # (a retried prompt ends the same way). The whole prompt would cost as many nodes

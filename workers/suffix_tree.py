@@ -57,9 +57,6 @@ class SuffixTree:
         self._seqs: dict[object, list[int]] = {}
         self._active: dict[object, list[int]] = {}
 
-    def __contains__(self, key) -> bool:
-        return key in self._seqs
-
     def tokens(self, key) -> list[int]:
         return self._seqs[key]
 
@@ -132,8 +129,7 @@ class SuffixTree:
                 hi = mid - 1
         return lo
 
-    def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float,
-                  min_match: int = 1) -> Candidate | None:
+    def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         """The continuation of ``context``'s longest match that continues (at most
         ``max_depth - max_tokens`` tokens, so that a path has room for ``max_tokens``
         more): a match of m tokens may propose ``min(max_tokens, m * factor)`` tokens (longer matches are
@@ -143,18 +139,17 @@ class SuffixTree:
         # A path holds at most max_depth tokens: a match leaves room for the continuation.
         room = max(self.max_depth - max_tokens, 0)
         longest = self.longest_match(context[max(len(context) - room, 0):])
-        return self._follow(range(longest, min_match - 1, -1),
+        return self._follow(range(longest, 0, -1),
                             lambda m: self._walk(context[len(context) - m:]), max_tokens, min_prob, factor)
 
-    def speculate_own(self, key, max_tokens: int, min_prob: float, factor: float,
-                      min_match: int = 1) -> Candidate | None:
+    def speculate_own(self, key, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         """``speculate`` on sequence ``key``'s own tokens, in a tree that holds them: its
         active nodes are its matches already, so nothing is walked. Its own occurrence
         counts in every chance (its current end has no continuation), the earlier ones
         give the continuations."""
         active = self._active.get(key) or []
         longest = min(len(active), self.max_depth - 1, self.max_depth - max_tokens)
-        return self._follow(range(longest, min_match - 1, -1), lambda m: active[m - 1], max_tokens, min_prob, factor)
+        return self._follow(range(longest, 0, -1), lambda m: active[m - 1], max_tokens, min_prob, factor)
 
     def _follow(self, lengths, node_of, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         count, children = self._count, self._children
