@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import ray
 
@@ -24,6 +24,7 @@ from specray.runtime.config import RuntimeConfig
 from specray.runtime.engine import Engine
 from specray.runtime.policies import build_policy
 from specray.runtime.request_output import RequestOutput
+from specray.runtime.stop_strings import held_back, stop_cut
 from specray.runtime.worker_pool import start_workers
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.sampling_params import SamplingParams
@@ -65,12 +66,25 @@ class SubmitReply:
 
 
 @dataclass
+class PollReply:
+    """``poll_many``'s answer: the new part of each request that has one (finished ones
+    last appear here with their ``finish_reason``), why each failed one failed, and the
+    ids the driver does not hold (never submitted, delivered, or aborted)."""
+
+    deltas: list[RequestOutput] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _Request:
     seq: Sequence
     prompt: list[int]
     sent_tokens: int = 0
     sent_text: int = 0
     error: str | None = None
+    stop_text_at: int | None = None    # where a matched stop string begins in the output text
+    stop_checked: int = 0              # output tokens already searched for stop strings
 
 
 def _call_off(launch: Future, cancel: threading.Event) -> None:
@@ -117,6 +131,7 @@ class DriverCore:
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
+        self._aborted: list[Sequence] = []
         self._requests: dict[str, _Request] = {}
         # Stream polls waiting for tokens: the loop wakes waiters every step only while one
         # waits; ``wait`` callers need a wake-up only when a request ends (waking them every
@@ -297,38 +312,98 @@ class DriverCore:
             req = self._requests.get(request_id)
             if req is None:
                 raise ValueError(f"unknown request_id {request_id!r}")
-            while req.seq.output_len == req.sent_tokens and not req.seq.finished:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._has_news(req):
+                if not self._wait_for_step(deadline):
                     return None
-                self._pollers += 1
-                try:
-                    self._cv.wait(left)
-                finally:
-                    self._pollers -= 1
             try:
-                full = self._output(req)
+                return self._delta(request_id, req)
             except RuntimeError:
                 del self._requests[request_id]
                 raise
-            delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:],
-                                  full.text[req.sent_text:], full.finish_reason,
-                                  full.num_draft_tokens, full.num_accepted_tokens)
-            if not full.finished and delta.text.endswith("\ufffd"):
-                delta.text = ""           # an incomplete UTF-8 character: send it whole later
-            req.sent_tokens = len(full.token_ids)
-            req.sent_text += len(delta.text)
-            if full.finished:
-                del self._requests[request_id]
-            return delta
+
+    def poll_many(self, request_ids: list[str], timeout: float = 1.0) -> PollReply:
+        """``poll`` for many requests in one call (an HTTP ingress serving many streams):
+        returns once any of them has something new, or at the timeout."""
+        deadline = time.monotonic() + timeout
+        reply = PollReply()
+        with self._cv:
+            while True:
+                for rid in request_ids:
+                    req = self._requests.get(rid)
+                    if req is None:
+                        reply.unknown.append(rid)
+                    elif self._has_news(req):
+                        try:
+                            reply.deltas.append(self._delta(rid, req))
+                        except RuntimeError as e:
+                            del self._requests[rid]
+                            reply.errors[rid] = str(e)
+                if reply.deltas or reply.errors or reply.unknown or not self._wait_for_step(deadline):
+                    return reply
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Stop these requests (a client went away): nothing more is delivered for them and
+        their KV blocks are freed before the next step. Returns the ids it stopped; ids it
+        does not hold, or that already finished, are passed over."""
+        stopped = []
+        with self._cv:
+            for rid in request_ids:
+                req = self._requests.pop(rid, None) if isinstance(rid, str) else None
+                if req is None:
+                    continue
+                if not req.seq.finished:
+                    self._aborted.append(req.seq)
+                    stopped.append(rid)
+            self._cv.notify_all()
+        return stopped
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (what OpenAI's log-probabilities name tokens by)."""
+        if self.tokenizer is None:
+            return ["" for _ in token_ids]
+        return [self.tokenizer.decode([int(t)]) for t in token_ids]
+
+    def _has_news(self, req: _Request) -> bool:
+        return req.seq.output_len != req.sent_tokens or req.seq.finished
+
+    def _wait_for_step(self, deadline: float) -> bool:
+        """Wait (holding ``_cv``) until the loop ends a step; False once past ``deadline``."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self._pollers += 1
+        try:
+            self._cv.wait(left)
+        finally:
+            self._pollers -= 1
+        return True
+
+    def _delta(self, request_id: str, req: _Request) -> RequestOutput:
+        """The part of ``req`` not sent yet; forgets it once it is finished."""
+        full = self._output(req)
+        text = full.text
+        if not full.finished:
+            text = text.rstrip("\ufffd")     # an incomplete UTF-8 character: sent whole later
+            # A tail that may yet become a stop string is held until it does or does not.
+            text = text[:len(text) - held_back(text, req.seq.params.stop)]
+        delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:], text[req.sent_text:],
+                              full.finish_reason, full.num_draft_tokens, full.num_accepted_tokens)
+        req.sent_tokens = len(full.token_ids)
+        req.sent_text = max(req.sent_text, len(text))
+        if full.finished:
+            del self._requests[request_id]
+        return delta
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         if req.error or (seq.finish_reason == "error"):
             raise RuntimeError(req.error or self._last_error or "request failed")
         tokens = seq.output_tokens
-        text_ids = tokens[:-1] if seq.finish_reason == "stop" else tokens
+        ended_by_token = seq.finish_reason == "stop" and req.stop_text_at is None
+        text_ids = tokens[:-1] if ended_by_token else tokens
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if req.stop_text_at is not None:
+            text = text[:req.stop_text_at]
         return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
                              seq.num_draft_tokens, seq.num_accepted_tokens)
 
@@ -392,17 +467,23 @@ class DriverCore:
                 if self._stop:
                     return
                 incoming, self._incoming = self._incoming, []
+                aborted, self._aborted = self._aborted, []
+            for seq in incoming:
+                self.scheduler.add(seq)
+            if aborted:
+                for seq in aborted:
+                    self.scheduler.finish(seq, "abort")
+                self.engine.forget(aborted)
             if not (incoming or self.scheduler.has_work):
                 # Idle after work: export the final figures once, then sleep.
                 self._export()
                 exported = True
                 continue
-            for seq in incoming:
-                self.scheduler.add(seq)
             sched = self.scheduler
             unfinished = len(sched.waiting) + len(sched.running)
             try:
-                self.engine.step()
+                stepped = self.engine.step()
+                self._match_stops(stepped)
             except Exception as e:  # a failed step fails its requests, not the runtime
                 self._last_error = f"{type(e).__name__}: {e}"
                 failed = self.scheduler.abort_all("error")
@@ -420,6 +501,31 @@ class DriverCore:
             if self._exporter is not None and self._exporter.due():
                 self._export()
                 exported = True
+
+    def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
+        """End the sequences whose text now holds one of their stop strings."""
+        with self._cv:
+            for seq, appended in stepped:
+                if not appended or not seq.params.stop:
+                    continue
+                req = self._requests.get(seq.request_id)
+                if req is None:
+                    continue
+                out = seq.output_tokens
+                cut = stop_cut(self._decode, out, req.stop_checked, seq.params.stop)
+                req.stop_checked = len(out)
+                if cut is None:
+                    continue
+                keep, req.stop_text_at = cut
+                ended_now = not seq.finished          # else EOS or length ended it in this step
+                self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+                seq.truncate_output(keep)
+                if ended_now:
+                    self.engine.finished(seq)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _export(self) -> None:
         if self._exporter is None:

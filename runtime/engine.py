@@ -80,6 +80,12 @@ class Engine:
                     self.suffix.finished(seq)
         return out
 
+    def finished(self, seq: Sequence) -> None:
+        """A request the driver ended between steps (a stop string): learn from it as from
+        any finished one."""
+        if self.suffix is not None:
+            self.suffix.finished(seq)
+
     def forget(self, seqs: list[Sequence]) -> None:
         """Requests that ended without a verdict (failed): nothing to learn from them."""
         if self.suffix is not None:

@@ -1,5 +1,7 @@
 """``specray serve``: a detached, named driver on a running cluster, for
-``SpecRuntime.connect(name=..., namespace=...)`` clients in other processes."""
+``SpecRuntime.connect(name=..., namespace=...)`` clients in other processes; with
+``--http``, the driver and an OpenAI-compatible endpoint in the foreground
+(``specray.runtime.http_serve``)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="store_true", help="shut down the named driver and its workers")
     p.add_argument("--log-interval", type=float, default=0.0,
                    help="stay in the foreground and log a metrics line every N seconds; Ctrl-C stops the driver")
+    from specray.runtime import http_serve
+
+    http_serve.add_args(p)
     p.set_defaults(func=run)
 
 
@@ -43,6 +48,13 @@ def summary_line(m: dict) -> str:
 
 
 def run(args) -> int:
+    if args.http:
+        if args.stop:
+            print("specray: --http serves in the foreground; stop it with Ctrl-C or SIGTERM", file=sys.stderr)
+            return 2
+        from specray.runtime import http_serve
+
+        return http_serve.run(args)
     import ray
 
     from specray.runtime import ray_env

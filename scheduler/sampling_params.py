@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 
 GREEDY_BELOW = 1e-5
+MAX_STOP_STRINGS = 8
 
 
 @dataclass
@@ -17,6 +18,8 @@ class SamplingParams:
     ``top_k == 0`` and ``top_p == 1`` switch those filters off.
     ``seed`` makes a sampled request reproducible whatever batch it shares; requests without
     one get a seed drawn from the runtime's own generator.
+    ``stop``: strings that end the output where they first appear in its text; the
+    matched string is not returned, and tokens past the one that completed it are dropped.
     """
 
     max_tokens: int = 16
@@ -26,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -55,6 +59,17 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        for x in self.stop:
+            if not isinstance(x, str) or not x:
+                raise ValueError(f"stop entries must be non-empty strings, got {x!r}")
+        self.stop = list(self.stop)
 
     @property
     def greedy(self) -> bool:

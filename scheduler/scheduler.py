@@ -336,6 +336,19 @@ class Scheduler:
                 self.stats.num_requests_finished += 1
         return out
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End one unfinished sequence between steps (a client's abort, a stop string):
+        its blocks are freed now and the workers told with the next plans."""
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
     def abort_all(self, reason: str) -> list[Sequence]:
         """Fail every unfinished sequence (used when no worker can serve them)."""
         seqs = list(self.running) + list(self.waiting)

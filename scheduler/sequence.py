@@ -66,6 +66,14 @@ class Sequence:
         self.target_computed = 0
         self.draft_computed = 0
 
+    def truncate_output(self, output_len: int) -> None:
+        """Keep the output's first ``output_len`` tokens (a stop string matched there):
+        those a step emitted past it go, as plain decoding would never have produced
+        them. Only for a sequence that ends now (its workers' KV is not truncated)."""
+        if not 0 < output_len <= self.output_len:
+            raise ValueError(f"truncate_output({output_len}) outside the output's {self.output_len} tokens")
+        del self.tokens[self.prompt_len + output_len:]
+
     def apply(self, verdict: Verdict, max_model_len: int, draft_kept: int | None = None) -> list[int]:
         """A verified step's token accounting; returns the tokens appended (the verdict's,
         up to a stop). The rules, for a sequence of ``step_len`` tokens before the step:

@@ -1,0 +1,338 @@
+"""The OpenAI-compatible HTTP endpoint: a Ray Serve deployment whose FastAPI ingress
+forwards to the specray driver actor (found by name), which stays the one scheduling
+point however many ingress replicas run.
+
+Every request, streamed or not, is read the same way: a replica's ``DeltaPump`` asks the
+driver for the new output of all its open requests in one call (``poll_many``), so a
+chunk carries whatever tokens arrived since the last one and the cost of a call is shared
+by every stream. A client that goes away aborts its requests in the driver, which frees
+their KV blocks before its next step.
+
+``start_http`` deploys it on the Ray this process is connected to.
+"""
+
+
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from specray.runtime import openai_protocol as api
+
+log = logging.getLogger("specray.http")
+
+POLL_S = 0.05          # a poll returns at the first step with news; this bounds a newcomer's wait
+UNAVAILABLE_S = 30.0   # a request waits this long for a driver that stopped answering
+DEPLOYMENT = "SpecrayIngress"
+
+app = FastAPI(title="specray", docs_url=None, redoc_url=None)
+
+
+def _actor_errors() -> tuple[type, ...]:
+    from ray import exceptions as rex
+
+    return tuple(getattr(rex, n) for n in ("RayActorError", "ActorUnavailableError", "ActorDiedError",
+                                           "GetTimeoutError") if hasattr(rex, n))
+
+
+class DeltaPump:
+    """One replica's reader of the driver: a queue per open request, filled by a single
+    task that polls the driver for all of them at once."""
+
+    def __init__(self, driver) -> None:
+        self.driver = driver
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def open(self, request_ids: list[str]) -> dict[str, asyncio.Queue]:
+        qs = {rid: asyncio.Queue() for rid in request_ids}
+        self.queues.update(qs)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return qs
+
+    def close(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.queues.pop(rid, None)
+
+    async def _run(self) -> None:
+        errors = _actor_errors()
+        while True:
+            if not self.queues:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            ids = list(self.queues)
+            try:
+                reply = await self.driver.poll_many.remote(ids, POLL_S)
+            except errors as e:
+                for rid in ids:
+                    self._put(rid, ("unavailable", f"the specray driver is unavailable: {type(e).__name__}"))
+                await asyncio.sleep(0.5)
+                continue
+            except Exception as e:  # noqa: BLE001 - a pump that dies would hang every stream
+                for rid in ids:
+                    self._put(rid, ("error", f"{type(e).__name__}: {e}"))
+                continue
+            for d in reply.deltas:
+                self._put(d.request_id, ("delta", d))
+            for rid, why in reply.errors.items():
+                self._put(rid, ("error", why))
+            for rid in reply.unknown:
+                self._put(rid, ("error", "the driver no longer holds this request"))
+
+    def _put(self, rid: str, item) -> None:
+        q = self.queues.get(rid)
+        if q is not None:
+            q.put_nowait(item)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.requests = Counter("specray_http_requests_total", description="HTTP requests answered, by route "
+                                "and status", tag_keys=("route", "status"))
+        self.in_flight = Gauge("specray_http_requests_in_flight", description="HTTP requests being answered",
+                               tag_keys=("route",))
+        self.latency = Histogram("specray_http_request_duration_s", description="HTTP request time to its last byte",
+                                 boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60], tag_keys=("route",))
+        self.tokens = Counter("specray_http_completion_tokens_total", description="tokens sent over HTTP",
+                              tag_keys=("route",))
+        self._open: dict[str, int] = {}
+
+    def begin(self, route: str) -> float:
+        self._open[route] = self._open.get(route, 0) + 1
+        self.in_flight.set(self._open[route], tags={"route": route})
+        return time.monotonic()
+
+    def end(self, route: str, status: int, t0: float, tokens: int = 0) -> None:
+        self._open[route] -= 1
+        self.in_flight.set(self._open[route], tags={"route": route})
+        self.requests.inc(1, tags={"route": route, "status": str(status)})
+        self.latency.observe(time.monotonic() - t0, tags={"route": route})
+        if tokens:
+            self.tokens.inc(tokens, tags={"route": route})
+
+
+async def _forward(i: int, q: asyncio.Queue, out: asyncio.Queue) -> None:
+    while True:
+        item = await q.get()
+        out.put_nowait((i, item))
+        if item[0] != "delta" or item[1].finished:
+            return
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _error_response(e: api.ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@serve.deployment(name=DEPLOYMENT, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, driver_name: str, namespace: str, served_model_name: str) -> None:
+        import ray
+
+        self.driver = ray.get_actor(driver_name, namespace=namespace)
+        info = ray.get(self.driver.info.remote(), timeout=120)
+        self.served = served_model_name
+        self.max_model_len = info.max_model_len
+        self.has_chat_template = info.has_chat_template
+        self.created = int(time.time())
+        self.pump = DeltaPump(self.driver)
+        self.names: dict[int, str] = {}        # token id -> its text, for log-probabilities
+        self.metrics = _Metrics()
+
+    # -- routes --------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        try:
+            await asyncio.wait_for(self.driver.info.remote(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - any failure is "not healthy"
+            return JSONResponse({"status": "unavailable", "reason": type(e).__name__}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.served, "object": "model", "created": self.created,
+                                            "owned_by": "specray", "max_model_len": self.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "chat")
+
+    # -- one request ---------------------------------------------------------------
+    async def _generate(self, request: Request, route: str):
+        t0 = self.metrics.begin(route)
+        try:
+            req = await self._parse(request, route)
+            ids = await self._submit(req)
+        except api.ApiError as e:
+            self.metrics.end(route, e.status, t0)
+            return _error_response(e)
+        queues = self.pump.open(ids)
+        if req.stream:
+            return StreamingResponse(self._stream(req, ids, queues, route, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        status, tokens = 500, 0
+        try:
+            choices = [api.Choice(i) for i in range(len(ids))]
+            for i, rid in enumerate(ids):
+                while choices[i].finish_reason is None:
+                    kind, item = await queues[rid].get()
+                    if kind != "delta":
+                        raise api.ApiError(503 if kind == "unavailable" else 500, item)
+                    choices[i].add(item)
+            names = await self._names([e for c in choices for e in c.logprobs])
+            status, tokens = 200, sum(len(c.token_ids) for c in choices)
+            return JSONResponse(api.response(req, choices, names))
+        except api.ApiError as e:
+            status = e.status
+            return _error_response(e)
+        finally:
+            # Reached on success too, and when the client went away (the task is cancelled):
+            # requests still running are aborted, freeing their blocks.
+            self.pump.close(ids)
+            if status != 200:
+                self._abort(ids)
+            self.metrics.end(route, status, t0, tokens)
+
+    async def _parse(self, request: Request, route: str) -> api.GenerationRequest:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise api.bad("the request body is not valid JSON") from None
+        if route == "chat":
+            if not self.has_chat_template:
+                raise api.bad("the served model has no chat template; use /v1/completions", "messages")
+            return api.parse_chat(body, self.served, self.max_model_len)
+        return api.parse_completion(body, self.served, self.max_model_len)
+
+    async def _submit(self, req: api.GenerationRequest) -> list[str]:
+        try:
+            reply = await asyncio.wait_for(self.driver.submit.remote(req.prompts, req.params), UNAVAILABLE_S)
+        except (asyncio.TimeoutError, *_actor_errors()) as e:
+            raise api.ApiError(503, f"the specray driver is unavailable ({type(e).__name__}); retry shortly",
+                               retry_after_s=1) from None
+        if reply.overloaded:
+            raise api.ApiError(429, reply.error, retry_after_s=1)
+        if reply.error:
+            if reply.error == "the runtime is shut down":
+                raise api.ApiError(503, reply.error)
+            message = reply.error
+            if req.num_choices == 1 and message.startswith("request 0: "):
+                message = message[len("request 0: "):]
+            raise api.bad(message, "prompt" if "prompt" in message else None)
+        return reply.request_ids
+
+    async def _stream(self, req: api.GenerationRequest, ids: list[str], queues: dict, route: str, t0: float):
+        choices = [api.Choice(i) for i in range(len(ids))]
+        sent = [0] * len(ids)
+        first = [True] * len(ids)
+        merged: asyncio.Queue = asyncio.Queue()
+        # One reader per choice moves its queue into one, so chunks go out as they come.
+        readers = [asyncio.get_running_loop().create_task(_forward(i, queues[rid], merged))
+                   for i, rid in enumerate(ids)]
+        status, left = 200, len(ids)
+        try:
+            while left:
+                i, (kind, item) = await merged.get()
+                if kind != "delta":
+                    status = 503 if kind == "unavailable" else 500
+                    err = api.ApiError(status, item)
+                    yield _sse(err.body())
+                    break
+                c = choices[i]
+                c.add(item)
+                if not (item.text or item.finished or item.token_ids and req.logprobs is not None):
+                    continue
+                names = await self._names(getattr(item, "logprobs", None) or [])
+                yield _sse(api.chunk(req, c, item, names, first[i], sent[i]))
+                first[i] = False
+                sent[i] += len(item.text)
+                if item.finished:
+                    left -= 1
+            if status == 200 and req.include_usage:
+                yield _sse(api.usage_chunk(req, choices))
+            yield "data: [DONE]\n\n"
+        finally:
+            for r in readers:
+                r.cancel()
+            self.pump.close(ids)
+            if left:
+                status = status if status != 200 else 499      # the client went away
+                self._abort(ids)
+            self.metrics.end(route, status, t0, sum(len(c.token_ids) for c in choices))
+
+    def _abort(self, ids: list[str]) -> None:
+        # Sent, not awaited: this runs while the request's task is being cancelled.
+        try:
+            self.driver.abort.remote(ids)
+        except Exception as e:  # noqa: BLE001 - the driver may be gone; nothing else to free
+            log.warning("abort of %d requests failed: %s", len(ids), e)
+
+    async def _names(self, entries: list) -> dict[int, str]:
+        if not entries:
+            return self.names
+        missing = sorted(api.token_ids_named(entries) - self.names.keys())
+        if missing:
+            texts = await self.driver.decode_tokens.remote(missing)
+            self.names.update(zip(missing, texts))
+        return self.names
+
+
+def build_app(driver_name: str, namespace: str, served_model_name: str, replicas: tuple[int, int] = (1, 1)):
+    """The Serve application; ``replicas`` (min, max) autoscale the ingress when they differ."""
+    lo, hi = replicas
+    if lo == hi:
+        dep = Ingress.options(num_replicas=lo)
+    else:
+        dep = Ingress.options(autoscaling_config={"min_replicas": lo, "max_replicas": hi,
+                                                  "target_ongoing_requests": 32})
+    return dep.bind(driver_name, namespace, served_model_name)
+
+
+def start_http(driver_name: str, namespace: str, served_model_name: str, host: str = "127.0.0.1",
+               port: int = 8000, replicas: tuple[int, int] = (1, 1), app_name: str = "specray",
+               health_timeout_s: float = 120.0) -> str:
+    """Deploy the endpoint beside a running driver; returns its base URL once ``/health``
+    answers 200."""
+    import urllib.error
+    import urllib.request
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(driver_name, namespace, served_model_name, replicas), name=app_name, route_prefix="/",
+              blocking=False)
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + health_timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return url
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP endpoint at {url} did not become healthy within {health_timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def stop_http(app_name: str = "specray") -> None:
+    serve.delete(app_name)
+    serve.shutdown()

@@ -1,0 +1,78 @@
+"""``specray serve --http``: the driver and its OpenAI-compatible endpoint, in the
+foreground until Ctrl-C or SIGTERM, which stop the endpoint, the driver and its workers.
+
+With no ``--ray-address`` (and no ``RAY_ADDRESS``) it starts a private local Ray, as
+``SpecRuntime`` does; on a cluster the ingress autoscales (``--http-replicas min,max``)
+and the driver stays the one scheduling point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+
+def add_args(p) -> None:
+    p.add_argument("--http", action="store_true",
+                   help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions) in the foreground")
+    p.add_argument("--host", default="127.0.0.1", help="with --http: the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="with --http: the port to listen on")
+    p.add_argument("--served-model-name", default=None,
+                   help="with --http: the model name clients ask for (default: the target directory's name)")
+    p.add_argument("--http-replicas", default="1", type=replicas,
+                   help="with --http: ingress replicas, N or MIN,MAX (autoscaled between them)")
+
+
+def replicas(text: str) -> tuple[int, int]:
+    import argparse
+
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise argparse.ArgumentTypeError(f"--http-replicas wants N or MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return parts[0], parts[1]
+
+
+def served_name(target: str) -> str:
+    return os.path.basename(os.path.normpath(target)) or target
+
+
+def run(args) -> int:
+    from specray.runtime.cli_args import runtime_config
+    from specray.runtime.client import SpecRuntime
+    from specray.runtime.http_ingress import start_http, stop_http
+
+    if not 0 < args.port < 65536:
+        print(f"specray: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    cfg = runtime_config(args, name=args.name, namespace=args.namespace, detached=False)
+    name = args.served_model_name or served_name(cfg.model.target)
+    stop = threading.Event()
+    rt = SpecRuntime(cfg)
+    # After ray.init, which installs its own SIGTERM handler (it would end the process
+    # with nothing stopped): SIGTERM now ends it as Ctrl-C does, through the cleanup below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    served = False
+    try:
+        served = True
+        url = start_http(args.name, args.namespace, name, args.host, args.port, args.http_replicas)
+        spec = cfg.speculation
+        print(f"specray: serving {name!r} ({cfg.model.target}, proposer={spec.proposer}, "
+              f"num_speculative_tokens={spec.num_speculative_tokens}) at {url}/v1", flush=True)
+        stop.wait()
+        print("specray: stopping", flush=True)
+    finally:
+        try:
+            if served:
+                stop_http()
+        finally:
+            rt.shutdown()
+    print("specray: stopped", flush=True)
+    return 0
