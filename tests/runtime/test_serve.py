@@ -4,6 +4,7 @@ head started by the test."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -56,3 +57,46 @@ def test_serve_then_connect_from_another_process(ray_head, llama_pair):
     missing = subprocess.run([sys.executable, "-c", CLIENT, "srv", address], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "no specray driver named 'srv'" in missing.stderr
+
+
+def test_serve_http_in_the_foreground_until_sigterm_then_nothing_left():
+    """``specray serve --http`` with no cluster: its own local Ray, the endpoint answering
+    once it prints where; SIGTERM stops ingress, driver, workers and that Ray."""
+    import pathlib
+    import signal
+    import tempfile
+    import time
+    import urllib.request
+
+    from specray_testing import free_port
+
+    # Short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes.
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="srs", dir="/tmp"))
+    port = free_port()
+    env = dict(os.environ, RAY_TMPDIR=str(tmp_path), SPECRAY_OBJECT_STORE_BYTES=str(100 * 1024 * 1024))
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.cli", "serve", "--http", "--port", str(port),
+                             "--served-model-name", "tiny", "--device", "cpu"], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 150
+        while "specray: serving" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert f"http://127.0.0.1:{port}/v1" in (tmp_path / "serve.log").read_text()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": "import", "max_tokens": 5}).encode(),
+                                     headers={"content-type": "application/json"})
+        body = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert body["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "serve.log").read_text()
+    assert "specray: stopped" in out
+    # Every Ray process it started ran under its own RAY_TMPDIR; none is left.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], left
