@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20     # top alternatives a request may ask for per token (the OpenAI API's bound)
 
 
 @dataclass
@@ -17,6 +18,10 @@ class SamplingParams:
     ``top_k == 0`` and ``top_p == 1`` switch those filters off.
     ``seed`` makes a sampled request reproducible whatever batch it shares; requests without
     one get a seed drawn from the runtime's own generator.
+    ``logprobs``: None for none; n in [0, ``MAX_LOGPROBS``] for each emitted token's
+    logprob under the target's raw logits (before temperature, top-k and top-p) and its n
+    most likely alternatives. ``speculation=False`` decodes the request plainly: nothing
+    is proposed for it, whatever the runtime's proposer.
     """
 
     max_tokens: int = 16
@@ -26,6 +31,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    speculation: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -55,6 +62,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.speculation, bool):
+            raise ValueError(f"speculation must be a bool, got {type(self.speculation).__name__}")
 
     @property
     def greedy(self) -> bool:
