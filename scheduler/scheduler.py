@@ -86,8 +86,9 @@ class Scheduler:
     def proposal_limit(self, seq: Sequence) -> int:
         """The most ``seq`` may propose this step: at most ``num_speculative_tokens``,
         leaving room for the target's own token inside ``max_tokens`` and
-        ``max_model_len``, and 0 where the draft cannot see that far or is down."""
-        if self.num_speculative_tokens == 0 or seq.draft_rank in self.drafts_down:
+        ``max_model_len``, and 0 where the draft cannot see that far or is down, or where
+        the request asked to decode plainly (``SamplingParams.speculation``)."""
+        if self.num_speculative_tokens == 0 or seq.draft_rank in self.drafts_down or not seq.params.speculation:
             return 0
         n = seq.num_tokens
         limit = min(self.num_speculative_tokens, seq.remaining - 1, self.max_model_len - n - 1)

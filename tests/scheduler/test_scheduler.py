@@ -240,6 +240,32 @@ def test_proposal_length_rule_with_ample_pools():
     assert any(r == 1 and k == 0 for _, r, k in seen)   # the last token is never speculated
 
 
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "draft+suffix"])
+def test_requests_with_speculation_off_propose_nothing_and_match(proposer):
+    """``SamplingParams.speculation=False``: limit 0 every step, so the request is in no
+    draft plan (nor suffix decoding's), verifies nothing, and decodes as plain greedy."""
+    eng = build(k=4, draft_blocks=None if proposer == "ngram" else 1000,
+                suffix_wrong=(lambda sid, pos: (sid + pos) % 3 == 0) if "suffix" in proposer else None)
+    eng.keep_steps = True
+    ref = {}
+    for sid, plen, mt in MIXED:
+        seq = make_seq(sid, prompt_for(sid, plen), mt)
+        seq.params = SamplingParams(max_tokens=mt, temperature=0.0, speculation=sid % 2 == 0)
+        eng.sched.add(seq)
+        ref[sid] = reference(seq.tokens, mt, (), eng.sched.max_model_len)
+    plain = {sid for sid, _, _ in MIXED if sid % 2}
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert all(eng.finished[sid].num_draft_tokens == 0 for sid in plain)
+    assert any(eng.finished[sid].num_draft_tokens for sid in set(ref) - plain)
+    for step in eng.steps:
+        assert all(s.proposal_len == 0 for s in step.seqs if s.seq_id in plain)
+        for d in step.draft_plans:
+            assert d is None or not plain & set(d.seq_ids)
+    for vs in eng.verdicts:
+        assert all(v.proposed == 0 for v in vs if v.seq_id in plain)
+
+
 def test_draft_max_len_turns_speculation_off():
     eng = build(k=4, target_max_len=64, draft_max_len=24)
     eng.keep_steps = True
