@@ -258,6 +258,7 @@ class Scheduler:
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
             _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
+            t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
             if k:
                 d = seq.draft_rank
@@ -266,6 +267,10 @@ class Scheduler:
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 _add_seq(d_plans[d], seq, seq.draft_computed, self._draft_slots.pop(seq.seq_id, n + k - 1), k)
                 d_seqs[d].append(seq)
+        for plan in t_plans:
+            # Nobody asked: the plan says so with no entries, and the worker computes nothing.
+            if plan is not None and all(x < 0 for x in plan.logprobs):
+                plan.logprobs = []
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):
