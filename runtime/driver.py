@@ -313,7 +313,8 @@ class DriverCore:
                 raise
             delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:],
                                   full.text[req.sent_text:], full.finish_reason,
-                                  full.num_draft_tokens, full.num_accepted_tokens)
+                                  full.num_draft_tokens, full.num_accepted_tokens,
+                                  full.logprobs[req.sent_tokens:] if full.logprobs is not None else None)
             if not full.finished and delta.text.endswith("\ufffd"):
                 delta.text = ""           # an incomplete UTF-8 character: send it whole later
             req.sent_tokens = len(full.token_ids)
@@ -330,7 +331,8 @@ class DriverCore:
         text_ids = tokens[:-1] if seq.finish_reason == "stop" else tokens
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
         return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
-                             seq.num_draft_tokens, seq.num_accepted_tokens)
+                             seq.num_draft_tokens, seq.num_accepted_tokens,
+                             list(seq.logprobs) if seq.logprobs is not None else None)
 
     def metrics(self, workers: bool = True) -> dict:
         """``workers``: also ask each model worker whether its steps replayed CUDA graphs

@@ -34,10 +34,11 @@ from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
 from specray.scheduler.stats import SpecStats
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict
+from specray.scheduler.token_logprob import TokenLogprob
 
 __all__ = [
     "BlockManager", "CacheConfig", "SpeculationConfig", "merge_proposals", "PROTOCOL_VERSION", "ProtocolError",
     "Proposals", "StepPlan", "StepResult", "decode", "encode", "SamplingParams", "ScheduledStep", "StepOutcome",
     "Verdict", "Scheduler", "Sequence", "SequenceStatus", "SpecStats", "Decision", "PolicyView",
-    "SpeculationPolicy", "StaticPolicy",
+    "SpeculationPolicy", "StaticPolicy", "TokenLogprob",
 ]
