@@ -11,6 +11,10 @@ Output, one line per accepted input line::
     {"line": N, "id": ..., "prompt_token_ids": [...], "token_ids": [...], "text": "...",
      "finish_reason": "stop" | "length", "num_draft_tokens": d, "num_accepted_tokens": a}
 
+and, where the line set ``"logprobs": n``, one entry per token id::
+
+    "logprobs": [{"token_id": t, "logprob": x, "top": [[id, x], ...]}, ...]
+
 A malformed line is reported on stderr as ``line N: <reason>``. Most reasons are found
 here (JSON, fields, SamplingParams values); a token id outside the vocabulary, a prompt
 that fills ``max_model_len`` or a string prompt without a tokenizer are found by the
@@ -174,6 +178,9 @@ def output_record(item: Item, out) -> dict:
     rec.update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
                finish_reason=out.finish_reason, num_draft_tokens=out.num_draft_tokens,
                num_accepted_tokens=out.num_accepted_tokens)
+    if out.logprobs is not None:
+        rec["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                           for lp in out.logprobs]
     return rec
 
 

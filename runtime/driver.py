@@ -387,7 +387,8 @@ class DriverCore:
             # A tail that may yet become a stop string is held until it does or does not.
             text = text[:len(text) - held_back(text, req.seq.params.stop)]
         delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:], text[req.sent_text:],
-                              full.finish_reason, full.num_draft_tokens, full.num_accepted_tokens)
+                              full.finish_reason, full.num_draft_tokens, full.num_accepted_tokens,
+                              full.logprobs[req.sent_tokens:] if full.logprobs is not None else None)
         req.sent_tokens = len(full.token_ids)
         req.sent_text = max(req.sent_text, len(text))
         if full.finished:
@@ -405,7 +406,8 @@ class DriverCore:
         if req.stop_text_at is not None:
             text = text[:req.stop_text_at]
         return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
-                             seq.num_draft_tokens, seq.num_accepted_tokens)
+                             seq.num_draft_tokens, seq.num_accepted_tokens,
+                             list(seq.logprobs) if seq.logprobs is not None else None)
 
     def metrics(self, workers: bool = True) -> dict:
         """``workers``: also ask each model worker whether its steps replayed CUDA graphs

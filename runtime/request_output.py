@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specray.scheduler.token_logprob import TokenLogprob
+
+__all__ = ["RequestOutput", "TokenLogprob"]
+
 
 @dataclass
 class RequestOutput:
@@ -14,6 +18,8 @@ class RequestOutput:
     finish_reason: str | None = None      # "stop" | "length" | None while running
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # One per entry of token_ids where SamplingParams.logprobs asked for them, else None.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

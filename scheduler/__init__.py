@@ -7,7 +7,8 @@ Glossary: one name per quantity, from the configuration to the workers (and
   setting, ``SpeculationConfig``; 0 with ``proposer="none"``). Written k in formulas.
 - ``proposal_limit``: the most one sequence may propose this step, by its limits: its
   remaining ``max_tokens``, both models' windows, ``num_speculative_tokens``, its draft
-  worker being up (``Scheduler.proposal_limit``).
+  worker being up, its request not decoding plainly (``SamplingParams.speculation``;
+  ``Scheduler.proposal_limit``).
 - ``proposal_len``: what one sequence is asked to propose this step, at most its limit:
   the policy's choice (``Decision``), lowered to 0 where its draft's KV pool is short
   (``Sequence.proposal_len``, ``StepPlan.proposal_lens``).
@@ -34,10 +35,11 @@ from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
 from specray.scheduler.stats import SpecStats
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict
+from specray.scheduler.token_logprob import TokenLogprob
 
 __all__ = [
     "BlockManager", "CacheConfig", "SpeculationConfig", "merge_proposals", "PROTOCOL_VERSION", "ProtocolError",
     "Proposals", "StepPlan", "StepResult", "decode", "encode", "SamplingParams", "ScheduledStep", "StepOutcome",
     "Verdict", "Scheduler", "Sequence", "SequenceStatus", "SpecStats", "Decision", "PolicyView",
-    "SpeculationPolicy", "StaticPolicy",
+    "SpeculationPolicy", "StaticPolicy", "TokenLogprob",
 ]

@@ -6,7 +6,8 @@ A step is data in, data out::
     StepPlan (driver -> target worker) ->  StepResult (target -> driver)
 
 Integer and float arrays travel as little-endian packed bytes (int32 for token ids and
-counts, int64 for ids and seeds, float64 for sampling knobs): packing a 64-sequence step
+counts, int64 for ids and seeds, float64 for sampling knobs, float32 for logprobs, which
+the target computes in float32): packing a 64-sequence step
 that way costs microseconds, where Python lists cost a hundred. Tensors (draft
 probabilities) never go through here. Replies carry the worker's own time on the call,
 so the driver can tell messaging from compute. Decoding is strict: the protocol version, the
@@ -16,13 +17,16 @@ else raises ``ProtocolError`` (a ``ValueError``).
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from dataclasses import dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 5
+from specray.scheduler.sampling_params import MAX_LOGPROBS
+
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -50,7 +54,9 @@ class StepPlan:
     plan: how many to make; a target plan: how many ``proposal_token_ids`` to verify).
     For the target, ``proposal_token_ids`` is ``[n, width]`` flattened with ``-1`` padding
     past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row in the draft
-    probabilities (``-1``: a deterministic proposal, e.g. n-gram).
+    probabilities (``-1``: a deterministic proposal, e.g. n-gram). ``logprobs[i]`` (target
+    plans; empty: no sequence asked): ``-1`` for none, else how many top alternatives each
+    emitted token's logprob comes with (``SamplingParams.logprobs``).
     """
 
     step_id: int = _scalar(int, 0)
@@ -67,6 +73,7 @@ class StepPlan:
     top_k: list[int] = _packed("i")
     top_p: list[float] = _packed("d")
     seeds: list[int] = _packed("q")
+    logprobs: list[int] = _packed("i")
     free_seq_ids: list[int] = _packed("q")
 
     @property
@@ -97,6 +104,9 @@ class StepPlan:
         _expect(all(0.0 < p <= 1.0 for p in self.top_p), "StepPlan.top_p must be in (0, 1]")
         _expect(all(x >= 0 for x in self.top_k), "StepPlan.top_k must be >= 0")
         _expect(all(r >= -1 for r in self.draft_rows), "StepPlan.draft_rows must be >= -1")
+        _expect(len(self.logprobs) in (0, n), "StepPlan.logprobs does not match seq_ids")
+        _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.logprobs),
+                f"StepPlan.logprobs must be in [-1, {MAX_LOGPROBS}]")
 
 
 @dataclass
@@ -140,7 +150,13 @@ class Proposals:
 class StepResult:
     """What the target verified and emitted this step, per sequence: ``num_proposed[i]``
     proposals verified, ``num_emitted[i]`` = accepted + 1 tokens emitted, back to back in
-    ``token_ids``."""
+    ``token_ids``.
+
+    Logprobs, for the sequences whose plan asked (``StepPlan.logprobs``): ``num_top[i]``
+    is ``-1`` where sequence i has none (empty: none has), else how many alternatives each
+    of its emitted tokens comes with. ``logprobs`` holds one figure per emitted token of
+    those sequences, back to back in ``token_ids`` order; ``top_ids`` / ``top_logprobs``
+    hold ``num_top[i]`` alternatives per such token, most likely first."""
 
     step_id: int = _scalar(int, 0)
     compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
@@ -148,6 +164,10 @@ class StepResult:
     num_proposed: list[int] = _packed("i")
     num_emitted: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
+    num_top: list[int] = _packed("i")
+    logprobs: list[float] = _packed("f")
+    top_ids: list[int] = _packed("i")
+    top_logprobs: list[float] = _packed("f")
 
     def validate(self) -> None:
         _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")
@@ -157,6 +177,18 @@ class StepResult:
                 "StepResult.num_emitted must be in [1, num_proposed + 1]")
         _expect(sum(self.num_emitted) == len(self.token_ids), "StepResult.token_ids does not match num_emitted")
         _expect(0.0 <= self.compute_s < float("inf"), "StepResult.compute_s must be finite and >= 0")
+        _expect(len(self.num_top) in (0, len(self.seq_ids)), "StepResult.num_top does not match seq_ids")
+        _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.num_top), f"StepResult.num_top must be in [-1, {MAX_LOGPROBS}]")
+        tokens = sum(e for e, x in zip(self.num_emitted, self.num_top) if x >= 0)
+        top = sum(e * x for e, x in zip(self.num_emitted, self.num_top) if x >= 0)
+        _expect(len(self.logprobs) == tokens,
+                f"StepResult.logprobs has {len(self.logprobs)} entries, num_top and num_emitted say {tokens}")
+        _expect(len(self.top_ids) == top, f"StepResult.top_ids has {len(self.top_ids)} entries, expected {top}")
+        _expect(len(self.top_logprobs) == top,
+                f"StepResult.top_logprobs has {len(self.top_logprobs)} entries, expected {top}")
+        _expect(all(t >= 0 for t in self.top_ids), "StepResult.top_ids must be >= 0")
+        _expect(not any(map(math.isnan, self.logprobs)) and not any(map(math.isnan, self.top_logprobs)),
+                "StepResult.logprobs and top_logprobs must not be NaN")
 
 
 @dataclass

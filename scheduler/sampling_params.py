@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 8
+MAX_LOGPROBS = 20     # top alternatives a request may ask for per token (the OpenAI API's bound)
 
 
 @dataclass
@@ -20,6 +21,10 @@ class SamplingParams:
     one get a seed drawn from the runtime's own generator.
     ``stop``: strings that end the output where they first appear in its text; the
     matched string is not returned, and tokens past the one that completed it are dropped.
+    ``logprobs``: None for none; n in [0, ``MAX_LOGPROBS``] for each emitted token's
+    logprob under the target's raw logits (before temperature, top-k and top-p) and its n
+    most likely alternatives. ``speculation=False`` decodes the request plainly: nothing
+    is proposed for it, whatever the runtime's proposer.
     """
 
     max_tokens: int = 16
@@ -30,6 +35,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    speculation: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -59,6 +66,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.speculation, bool):
+            raise ValueError(f"speculation must be a bool, got {type(self.speculation).__name__}")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

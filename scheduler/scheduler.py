@@ -86,8 +86,9 @@ class Scheduler:
     def proposal_limit(self, seq: Sequence) -> int:
         """The most ``seq`` may propose this step: at most ``num_speculative_tokens``,
         leaving room for the target's own token inside ``max_tokens`` and
-        ``max_model_len``, and 0 where the draft cannot see that far or is down."""
-        if self.num_speculative_tokens == 0 or seq.draft_rank in self.drafts_down:
+        ``max_model_len``, and 0 where the draft cannot see that far or is down, or where
+        the request asked to decode plainly (``SamplingParams.speculation``)."""
+        if self.num_speculative_tokens == 0 or seq.draft_rank in self.drafts_down or not seq.params.speculation:
             return 0
         n = seq.num_tokens
         limit = min(self.num_speculative_tokens, seq.remaining - 1, self.max_model_len - n - 1)
@@ -257,6 +258,7 @@ class Scheduler:
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
             _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
+            t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
             if k:
                 d = seq.draft_rank
@@ -265,6 +267,10 @@ class Scheduler:
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 _add_seq(d_plans[d], seq, seq.draft_computed, self._draft_slots.pop(seq.seq_id, n + k - 1), k)
                 d_seqs[d].append(seq)
+        for plan in t_plans:
+            # Nobody asked: the plan says so with no entries, and the worker computes nothing.
+            if plan is not None and all(x < 0 for x in plan.logprobs):
+                plan.logprobs = []
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.token_logprob import TokenLogprob
 
 if TYPE_CHECKING:
     from specray.scheduler.step import Verdict
@@ -41,6 +42,12 @@ class Sequence:
     target_rank: int = 0
     draft_rank: int = 0
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    # One per output token, where the request asked for logprobs (else None).
+    logprobs: list[TokenLogprob] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +80,8 @@ class Sequence:
         if not 0 < output_len <= self.output_len:
             raise ValueError(f"truncate_output({output_len}) outside the output's {self.output_len} tokens")
         del self.tokens[self.prompt_len + output_len:]
+        if self.logprobs is not None:
+            del self.logprobs[output_len:]
 
     def apply(self, verdict: Verdict, max_model_len: int, draft_kept: int | None = None) -> list[int]:
         """A verified step's token accounting; returns the tokens appended (the verdict's,
@@ -85,8 +94,11 @@ class Sequence:
           proposed - 1)``; where another proposer's proposal was verified instead,
           ``draft_kept`` of the draft's cached proposals start the emitted tokens and hold;
         - its emitted tokens are appended until a stop token, ``max_tokens`` or
-          ``max_model_len`` ends it.
+          ``max_model_len`` ends it; so are their logprobs, where it keeps them.
         """
+        if (self.logprobs is None) != (verdict.logprobs is None):
+            raise ValueError(f"sequence {self.seq_id} keeps logprobs: {self.logprobs is not None}, "
+                             f"its verdict carries them: {verdict.logprobs is not None}")
         self.target_computed = self.step_len + verdict.accepted
         if self.proposal_len:
             kept = min(verdict.accepted, max(verdict.proposed - 1, 0)) if draft_kept is None else draft_kept
@@ -104,4 +116,6 @@ class Sequence:
             if self.finish_reason:
                 self.status = SequenceStatus.FINISHED
                 break
+        if self.logprobs is not None:
+            self.logprobs.extend(verdict.logprobs[:len(appended)])
         return appended

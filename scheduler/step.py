@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specray.scheduler.messages import StepPlan, StepResult
 from specray.scheduler.sequence import Sequence
+from specray.scheduler.token_logprob import TokenLogprob
 
 
 @dataclass
@@ -39,12 +40,14 @@ class ScheduledStep:
 class Verdict:
     """One sequence's step, as the target verified it: ``proposed`` proposals verified
     (at most its ``proposal_len``: a proposer may find fewer), ``accepted`` of them kept,
-    and the ``tokens`` emitted (the accepted ones and the target's own next token)."""
+    and the ``tokens`` emitted (the accepted ones and the target's own next token);
+    ``logprobs``, one per emitted token, where the request asked for them (else None)."""
 
     seq_id: int
     proposed: int
     accepted: int
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def verdicts(plan: StepPlan, result: StepResult) -> list[Verdict]:
@@ -54,12 +57,28 @@ def verdicts(plan: StepPlan, result: StepResult) -> list[Verdict]:
         raise ValueError(f"StepResult of step {plan.step_id} answers sequences {list(result.seq_ids)}, "
                          f"the plan sent {list(plan.seq_ids)}")
     result.validate()
-    out, pos = [], 0
+    asked = plan.logprobs or [-1] * plan.num_seqs
+    given = result.num_top or [-1] * plan.num_seqs
+    out, pos, lp, top = [], 0, 0, 0
     for i, sid in enumerate(plan.seq_ids):
         proposed, emitted = result.num_proposed[i], result.num_emitted[i]
         if proposed > plan.proposal_lens[i]:
             raise ValueError(f"sequence {sid} verified {proposed} proposals, {plan.proposal_lens[i]} were sent")
-        out.append(Verdict(sid, proposed, emitted - 1, tuple(result.token_ids[pos:pos + emitted])))
+        # Fewer alternatives than asked only where the vocabulary is smaller than that.
+        if (given[i] < 0) != (asked[i] < 0) or given[i] > asked[i]:
+            raise ValueError(f"sequence {sid} asked for {asked[i]} logprobs, the result gives {given[i]}")
+        tokens = tuple(result.token_ids[pos:pos + emitted])
+        logprobs = None
+        if given[i] >= 0:
+            n = given[i]
+            logprobs = tuple(
+                TokenLogprob(t, result.logprobs[lp + j],
+                             list(zip(result.top_ids[top + j * n:top + (j + 1) * n],
+                                      result.top_logprobs[top + j * n:top + (j + 1) * n])))
+                for j, t in enumerate(tokens))
+            lp += emitted
+            top += emitted * n
+        out.append(Verdict(sid, proposed, emitted - 1, tokens, logprobs))
         pos += emitted
     return out
 

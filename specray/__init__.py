@@ -20,11 +20,13 @@ _EXPORTS = {
     "RuntimeConfig": "specray.runtime.config",
     "RequestOutput": "specray.runtime.request_output",
     "SamplingParams": "specray.scheduler.sampling_params",
+    "TokenLogprob": "specray.scheduler.token_logprob",
     "Overloaded": "specray.runtime.driver",
     "builtin_model": "specray.runtime.model_store",
 }
 
-__all__ = ["SpecRuntime", "RuntimeConfig", "RequestOutput", "SamplingParams", "Overloaded", "builtin_model"]
+__all__ = ["SpecRuntime", "RuntimeConfig", "RequestOutput", "SamplingParams", "TokenLogprob", "Overloaded",
+           "builtin_model"]
 assert set(__all__) == set(_EXPORTS)
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from specray.runtime.model_store import builtin_model
     from specray.runtime.request_output import RequestOutput
     from specray.scheduler.sampling_params import SamplingParams
+    from specray.scheduler.token_logprob import TokenLogprob
 
 
 def __getattr__(name: str):

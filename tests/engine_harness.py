@@ -39,12 +39,21 @@ from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import SpeculationPolicy, StaticPolicy
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict
+from specray.scheduler.token_logprob import TokenLogprob
 
 V = 97
 
 
 def true_next(tokens: list[int]) -> int:
     return (31 * tokens[-1] + 7 * len(tokens)) % V
+
+
+def true_logprob(tokens: list[int], n: int) -> TokenLogprob:
+    """The "model"'s logprob of its next token after ``tokens`` and its top ``n``: a
+    function of the history, in quarters (float32 carries them exactly)."""
+    base = -(len(tokens) % 4) / 4
+    t = true_next(tokens)
+    return TokenLogprob(t, base, [((t + j) % V, base - j) for j in range(n)])
 
 
 def default_wrong(seq_id: int, pos: int) -> bool:
@@ -66,9 +75,10 @@ def reference(prompt: list[int], max_tokens: int, stop_ids=(), max_len: int | No
     return out, "length"
 
 
-def make_seq(seq_id: int, prompt: list[int], max_tokens: int, stop_ids=()) -> Sequence:
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int, stop_ids=(), **params) -> Sequence:
+    """``params``: other SamplingParams fields (logprobs, speculation)."""
     return Sequence(seq_id=seq_id, request_id=f"req-{seq_id}", prompt_len=len(prompt), tokens=list(prompt),
-                    params=SamplingParams(max_tokens=max_tokens, temperature=0.0), seed=seq_id,
+                    params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params), seed=seq_id,
                     stop_ids=frozenset(stop_ids))
 
 
@@ -548,6 +558,7 @@ class Harness:
         worker = self.targets[r]
         histories = worker.apply(plan, self._truth)
         num_proposed, num_emitted, token_ids = [], [], []
+        logprobs = StepResult(num_top=list(plan.logprobs))
         for i, sid in enumerate(plan.seq_ids):
             n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
             props = plan.proposal_token_ids[i * width:i * width + n]
@@ -566,12 +577,20 @@ class Harness:
             num_proposed.append(n)
             num_emitted.append(len(out))
             token_ids.extend(out)
+            if plan.logprobs and plan.logprobs[i] >= 0:
+                for j in range(len(out)):
+                    lp = true_logprob(hist + out[:j], plan.logprobs[i])
+                    logprobs.logprobs.append(lp.logprob)
+                    logprobs.top_ids += [t for t, _ in lp.top]
+                    logprobs.top_logprobs += [x for _, x in lp.top]
             self.counts.drafted += n
             self.counts.accepted += len(out) - 1
             self.counts.emitted += len(out)
         self.counts.seq_steps += plan.num_seqs
         result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_proposed=num_proposed,
-                            num_emitted=num_emitted, token_ids=token_ids)
+                            num_emitted=num_emitted, token_ids=token_ids, num_top=logprobs.num_top,
+                            logprobs=logprobs.logprobs, top_ids=logprobs.top_ids,
+                            top_logprobs=logprobs.top_logprobs)
         return decode(encode(result), expected=StepResult)
 
     def run(self, max_steps: int = 10_000) -> None:

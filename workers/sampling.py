@@ -80,6 +80,19 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int] | None, top_p: li
     return torch.full_like(logits, float("-inf")).scatter(-1, order, filtered)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """Raw logprobs: the log-softmax of the logits as they are, before temperature, top-k
+    or top-p (what plain decoding reports for a token, however it was sampled).
+
+    logits: [..., V]; token_ids: [...] valid ids. Returns the tokens' logprobs [...] and the
+    ``num_top`` largest logprobs and their ids [..., num_top], largest first. float32.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+    top_lp, top_ids = logp.topk(num_top, dim=-1)
+    return chosen, top_lp, top_ids
+
+
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [m, V] (need not be normalised), u: [m] in [0, 1).
     Returns int64 [m]; a token of zero probability is never returned."""

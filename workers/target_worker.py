@@ -14,7 +14,7 @@ from specray.workers.config import ModelConfig
 from specray.workers.errors import PlanError
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
-from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs
+from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, token_logprobs
 
 
 class TargetWorker(ModelWorker):
@@ -43,23 +43,49 @@ class TargetWorker(ModelWorker):
                            r.to_device(batch.score_rows), tail=[m + 1 for m in lens])   # [n * (width+1), V]
         vocab = logits.shape[-1]
         scores = logits.view(n, width + 1, vocab)
+        w1 = width + 1
         # Greedy rows are decided on the host from the argmax grid ([n, width+1] ints):
         # fewer tensor ops than a masked device computation, and the same one host sync.
         argmax = scores.argmax(dim=-1).view(-1)
         sampled = [i for i, t in enumerate(plan.temperature) if t > 0]
+        parts, out = [argmax], None
         if sampled:
             out, counts = self._sample(plan, lens, sampled, scores, draft_probs)
-            flat = torch.cat([argmax, counts, out.view(-1)]).tolist()      # still one host sync
-            cells, m = n * (width + 1), len(sampled)
-            grid, counts, out = flat[:cells], flat[cells:cells + m], flat[cells + m:]
-        else:
-            grid = argmax.tolist()
+            parts += [counts, out.view(-1)]
+        asked = [i for i, x in enumerate(plan.logprobs) if x >= 0]
+        if asked:
+            chosen, top_lp, top_ids, num_top = self._logprobs(plan, asked, sampled, scores, argmax, out)
+            parts.append(top_ids.view(-1))
+        flat = torch.cat(parts).tolist() if len(parts) > 1 else argmax.tolist()    # still one host sync
+        cells, m = n * w1, len(sampled)
+        grid, counts, out = flat[:cells], flat[cells:cells + m], flat[cells + m:cells + m + m * w1]
         emitted = greedy_accept(grid, plan.proposal_token_ids, lens, width)
         for j, i in enumerate(sampled):
-            emitted[i] = out[j * (width + 1):j * (width + 1) + counts[j]]
-        return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids),
-                          num_proposed=list(lens), num_emitted=[len(e) for e in emitted],
-                          token_ids=[t for e in emitted for t in e])
+            emitted[i] = out[j * w1:j * w1 + counts[j]]
+        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_proposed=list(lens),
+                            num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
+        if asked:
+            # Computed before the sync above: this copy waits for nothing.
+            floats = torch.cat([chosen.view(-1), top_lp.view(-1)]).tolist()
+            _fill_logprobs(result, plan, asked, emitted, floats, flat[cells + m + m * w1:], w1, num_top)
+        result.compute_s = time.perf_counter() - t0
+        return result
+
+    def _logprobs(self, plan: StepPlan, asked: list[int], sampled: list[int], scores, argmax, out):
+        """Raw logprobs for the sequences ``asked`` (batch indices) at each of their
+        width + 1 scored positions, of the token that position emits if it emits one (the
+        argmax for greedy rows, ``out`` [len(sampled), width+1] for sampled ones):
+        chosen [a, width+1], top logprobs and ids [a, width+1, N], N the most any of them
+        asked for (within the vocabulary)."""
+        r = self.runner
+        n, w1, vocab = scores.shape
+        tokens = argmax.view(n, w1)
+        if sampled:
+            tokens = tokens.clone()
+            tokens[r.to_device(sampled)] = out.clamp(min=0)     # -1 past the emitted: never read
+        rows = r.to_device(asked)
+        num_top = min(max(plan.logprobs[i] for i in asked), vocab)
+        return (*token_logprobs(scores[rows], tokens[rows], num_top), num_top)
 
     def _sample(self, plan: StepPlan, lens: list[int], rows: list[int], scores, draft_probs):
         """Rejection sampling for the sequences ``rows`` (batch indices) that sample:
@@ -120,6 +146,22 @@ class TargetWorker(ModelWorker):
             return None, has
         allp = torch.cat([s.to(dev) for s in present]) if len(present) > 1 else present[0].to(dev)
         return allp[torch.tensor([max(r, 0) for r in rows], device=dev)], has
+
+
+def _fill_logprobs(result: StepResult, plan: StepPlan, asked: list[int], emitted: list[list[int]],
+                   floats: list[float], top_ids: list[int], w1: int, num_top: int) -> None:
+    """Each asked sequence's emitted tokens' logprobs and its own number of alternatives
+    into ``result``, from the host copies of ``TargetWorker._logprobs``' grids (``floats``:
+    chosen, then the top logprobs)."""
+    result.num_top = [-1] * plan.num_seqs
+    top_lp = floats[len(asked) * w1:]
+    for a, i in enumerate(asked):
+        e, keep = len(emitted[i]), min(plan.logprobs[i], num_top)
+        result.num_top[i] = keep
+        result.logprobs += floats[a * w1:a * w1 + e]
+        for j in range(a * w1, a * w1 + e):
+            result.top_ids += top_ids[j * num_top:j * num_top + keep]
+            result.top_logprobs += top_lp[j * num_top:j * num_top + keep]
 
 
 @dataclass

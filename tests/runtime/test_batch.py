@@ -17,10 +17,10 @@ import pytest
 
 from specray_testing import ROOT, hf_greedy
 from specray.runtime.batch_files import Location, check_output_place
-from specray.runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, parse_line, read_input,
-                           run)
+from specray.runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, output_record,
+                                   parse_line, read_input, run)
 from specray.runtime.batch import main as batch_main
-from specray.runtime.request_output import RequestOutput
+from specray.runtime.request_output import RequestOutput, TokenLogprob
 from specray.scheduler.sampling_params import SamplingParams
 
 MODEL_FLAGS = ["-k", "3", "--block-size", "4", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
@@ -278,6 +278,9 @@ def test_generate_all_writes_in_input_order_while_chunks_overlap(tmp_path):
     ('{"prompt": [1], "temperature": -1}', "temperature"),
     ('{"prompt": [1], "top_p": 0}', "top_p"),
     ('{"prompt": [1], "stop_token_ids": 3}', "stop_token_ids"),
+    ('{"prompt": [1], "logprobs": 21}', "logprobs"),
+    ('{"prompt": [1], "logprobs": "3"}', "logprobs"),
+    ('{"prompt": [1], "speculation": "yes"}', "speculation"),
     ('"just a string"', "expected a JSON object, got string"),
 ])
 def test_parse_line_names_what_is_wrong(text, why):
@@ -290,6 +293,18 @@ def test_parse_line_merges_defaults_with_the_line():
                       dict(max_tokens=7, temperature=0.5, top_k=0))
     assert item.prompt == "a\u2028b" and item.id is None and item.line == 3
     assert (item.params.max_tokens, item.params.temperature, item.params.top_k) == (7, 0.5, 5)
+
+
+def test_lines_may_ask_for_logprobs_and_plain_decoding_and_the_output_carries_them():
+    item = parse_line('{"prompt": [1, 2], "logprobs": 2, "speculation": false}', 1, {})
+    assert (item.params.logprobs, item.params.speculation) == (2, False)
+    plain = output_record(Item(1, [1], SamplingParams()), RequestOutput("1", [1], [4], "", "length"))
+    assert "logprobs" not in plain
+    out = RequestOutput("2", [1], [4, 5], "", "length",
+                        logprobs=[TokenLogprob(4, -0.25, [(4, -0.25), (9, -2.0)]), TokenLogprob(5, -1.5, [])])
+    rec = json.loads(json.dumps(output_record(item, out)))
+    assert rec["logprobs"] == [{"token_id": 4, "logprob": -0.25, "top": [[4, -0.25], [9, -2.0]]},
+                               {"token_id": 5, "logprob": -1.5, "top": []}]
 
 
 def test_read_input_numbers_physical_lines(tmp_path):

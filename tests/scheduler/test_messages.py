@@ -20,7 +20,7 @@ from specray.scheduler.messages import (
     encode,
 )
 
-ITEMSIZE = {"i": 4, "q": 8, "d": 8}
+ITEMSIZE = {"i": 4, "q": 8, "d": 8, "f": 4}
 INT64_MAX = 2**63 - 1
 
 
@@ -40,6 +40,7 @@ def make_plan(n: int = 5, k: int = 3, seed: int = 0, with_proposals: bool = True
         p.top_k.append(rng.choice([0, 1, 50]))
         p.top_p.append(rng.choice([1.0, 0.95, 0.123456789]))
         p.seeds.append(rng.choice([0, INT64_MAX, INT64_MAX - 1, rng.getrandbits(63)]))
+        p.logprobs.append(rng.choice([-1, 0, 5, 20]))
     if with_proposals:
         for i in range(n):
             row = [rng.randrange(0, 151_936) for _ in range(p.proposal_lens[i])]
@@ -63,8 +64,18 @@ def make_result() -> StepResult:
                       token_ids=[0, 151_935, 2**31 - 1, 3, 4, 5, 6])
 
 
+def make_logprob_result() -> StepResult:
+    """Sequence 0 asked for none, 1 for its tokens' own (0 alternatives), 2 for two."""
+    r = make_result()
+    r.num_top = [-1, 0, 2]
+    r.logprobs = [-0.5, -1.25, -3.0, -0.0, -0.125, -2.5]          # 4 + 2 tokens; float32-exact
+    r.top_ids = [6, 5, 151_935, 9]
+    r.top_logprobs = [-0.125, -1.0, -2.5, -float("inf")]
+    return r
+
+
 VALID = [make_plan(), make_plan(n=1, k=0, with_proposals=False), make_plan(n=0),
-         StepPlan(), make_proposals(), Proposals(), make_result(), StepResult()]
+         StepPlan(), make_proposals(), Proposals(), make_result(), StepResult(), make_logprob_result()]
 
 
 def raw(msg) -> list:
@@ -153,7 +164,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 4, 6, -1, 2**40, "5", None, True, [5], b"\x05"])
+@pytest.mark.parametrize("version", [0, 5, 7, -1, 2**40, "6", None, True, [6], b"\x06"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version
@@ -260,6 +271,24 @@ def test_inconsistent_plan_lengths():
     neg = list(p.num_new)
     neg[0], neg[1] = -1, neg[1] + neg[0] + 1   # sum unchanged
     assert_protocol_error(with_field(p, num_new=neg), match="negative")
+
+
+def test_inconsistent_logprob_fields():
+    p = make_plan(n=4, k=3)
+    assert_protocol_error(with_field(p, logprobs=p.logprobs[:3]), match="logprobs")
+    assert_protocol_error(with_field(p, logprobs=[-2, 0, 0, 0]), match="logprobs")
+    assert_protocol_error(with_field(p, logprobs=[21, 0, 0, 0]), match="logprobs")
+    assert decode(with_field(p, logprobs=[]), StepPlan).logprobs == []      # nobody asked
+    r = make_logprob_result()
+    assert_protocol_error(with_field(r, num_top=[-1, 0]), match="num_top")
+    assert_protocol_error(with_field(r, num_top=[-1, 0, 21]), match="num_top")
+    assert_protocol_error(with_field(r, num_top=[0, 0, 2]), match="logprobs")       # sequence 0's token too
+    assert_protocol_error(with_field(r, logprobs=r.logprobs[:-1]), match="logprobs")
+    assert_protocol_error(with_field(r, top_ids=r.top_ids + [1]), match="top_ids")
+    assert_protocol_error(with_field(r, top_logprobs=r.top_logprobs[:-1]), match="top_logprobs")
+    assert_protocol_error(with_field(r, top_ids=[-1, 5, 6, 9]), match="top_ids")
+    assert_protocol_error(with_field(r, num_top=[], logprobs=[], top_ids=[]), match="top_logprobs")
+    assert_protocol_error(with_field(r, top_logprobs=[-1.0, math.nan, -2.0, -3.0]), match="NaN")
 
 
 def test_negative_proposals_width_is_rejected():

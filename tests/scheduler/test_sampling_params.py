@@ -74,6 +74,14 @@ BAD = [
     ("ignore_eos", 0),
     ("ignore_eos", "yes"),
     ("ignore_eos", None),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", "3"),
+    ("logprobs", True),
+    ("logprobs", 2.0),
+    ("speculation", "yes"),
+    ("speculation", 1),
+    ("speculation", None),
 ]
 
 
@@ -90,8 +98,21 @@ def test_from_dict_validates_too(name, value):
         SamplingParams.from_dict({name: value})
 
 
+def test_logprobs_and_speculation_edges():
+    assert (SamplingParams().logprobs, SamplingParams().speculation) == (None, True)
+    assert SamplingParams(logprobs=0).logprobs == 0
+    assert SamplingParams(logprobs=20, speculation=False).speculation is False
+
+
+@pytest.mark.parametrize("name,value", BAD[-8:], ids=[f"{n}={v!r}" for n, v in BAD[-8:]])
+def test_from_dict_validates_logprobs_and_speculation(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams.from_dict({name: value})
+
+
 def test_from_dict_round_trips_and_rejects_unknown_keys():
-    d = dict(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11, stop_token_ids=[2], ignore_eos=True)
+    d = dict(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11, stop_token_ids=[2], ignore_eos=True,
+             logprobs=4, speculation=False)
     assert SamplingParams.from_dict(d) == SamplingParams(**d)
     assert SamplingParams.from_dict({}) == SamplingParams()
     with pytest.raises(ValueError, match="max_token"):

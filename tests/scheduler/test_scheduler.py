@@ -10,7 +10,7 @@ import pytest
 
 from engine_harness import (MIXED, V, Harness, add_requests, assert_matches_reference, build,  # noqa: F401
                             expected_limit, make_seq, prompt_for, reference, roundtrip, true_next, default_wrong,
-                            FakeWorker)
+                            FakeWorker, true_logprob)
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepResult
@@ -18,6 +18,7 @@ from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import StepOutcome, Verdict, verdicts
+from specray.scheduler.token_logprob import TokenLogprob
 
 
 # -- (a) greedy equivalence ----------------------------------------------------------------
@@ -240,6 +241,31 @@ def test_proposal_length_rule_with_ample_pools():
     assert any(r == 1 and k == 0 for _, r, k in seen)   # the last token is never speculated
 
 
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "draft+suffix"])
+def test_requests_with_speculation_off_propose_nothing_and_match(proposer):
+    """``SamplingParams.speculation=False``: limit 0 every step, so the request is in no
+    draft plan (nor suffix decoding's), verifies nothing, and decodes as plain greedy."""
+    eng = build(k=4, draft_blocks=None if proposer == "ngram" else 1000,
+                suffix_wrong=(lambda sid, pos: (sid + pos) % 3 == 0) if "suffix" in proposer else None)
+    eng.keep_steps = True
+    ref = {}
+    for sid, plen, mt in MIXED:
+        seq = make_seq(sid, prompt_for(sid, plen), mt, speculation=sid % 2 == 0)
+        eng.sched.add(seq)
+        ref[sid] = reference(seq.tokens, mt, (), eng.sched.max_model_len)
+    plain = {sid for sid, _, _ in MIXED if sid % 2}
+    eng.run()
+    assert_matches_reference(eng, ref)
+    assert all(eng.finished[sid].num_draft_tokens == 0 for sid in plain)
+    assert any(eng.finished[sid].num_draft_tokens for sid in set(ref) - plain)
+    for step in eng.steps:
+        assert all(s.proposal_len == 0 for s in step.seqs if s.seq_id in plain)
+        for d in step.draft_plans:
+            assert d is None or not plain & set(d.seq_ids)
+    for vs in eng.verdicts:
+        assert all(v.proposed == 0 for v in vs if v.seq_id in plain)
+
+
 def test_draft_max_len_turns_speculation_off():
     eng = build(k=4, target_max_len=64, draft_max_len=24)
     eng.keep_steps = True
@@ -320,6 +346,58 @@ def test_stop_token_mid_step_discards_the_rest(index):
     assert later.draft_plans[0] is not None and sid in later.draft_plans[0].free_seq_ids
     assert sid not in eng.target.cache and sid not in eng.draft.cache
     assert not eng.sched.target_pools[0].has(sid) and not eng.sched.draft_pools[0].has(sid)
+
+
+@pytest.mark.parametrize("target_blocks", [1000, 26])
+def test_logprobs_follow_the_tokens_through_stops_and_preemption(target_blocks):
+    """A sequence that asked keeps one logprob per output token: the one its emitting
+    position had, whether a stop cut the step short or a preemption recomputed it; the
+    others keep none and the plans ask for none where nobody asked."""
+    eng = build(k=4, target_blocks=target_blocks)
+    eng.keep_steps = True
+    stop = 17
+    ref = {}
+    for sid, plen, mt in MIXED:
+        prompt = prompt_for(sid, plen)
+        asked = {0: None, 1: 0, 2: 3}[sid % 3]
+        eng.sched.add(make_seq(sid, prompt, mt, stop_ids=[stop], logprobs=asked))
+        ref[sid] = (reference(prompt, mt, [stop], eng.sched.max_model_len), asked)
+    eng.run()
+    assert_matches_reference(eng, {sid: r for sid, (r, _) in ref.items()})
+    if target_blocks < 1000:
+        assert eng.sched.stats.num_preemptions > 0
+    assert any(r == "stop" for (_, r), _ in ref.values())
+    for sid, ((tokens, _), asked) in ref.items():
+        seq = eng.finished[sid]
+        if asked is None:
+            assert seq.logprobs is None
+            continue
+        assert seq.logprobs == [true_logprob(seq.tokens[:seq.prompt_len + j], asked) for j in range(len(tokens))]
+    for step in eng.steps:
+        plan = step.target_plans[0]
+        want = [-1 if s.params.logprobs is None else s.params.logprobs for s in step.target_seqs[0]]
+        assert plan.logprobs == (want if any(x >= 0 for x in want) else [])
+
+
+def test_verdicts_carry_logprobs_and_refuse_a_result_that_ignores_the_plan():
+    eng = build(k=2)
+    eng.sched.add(make_seq(1, prompt_for(1, 3), 10, logprobs=1))
+    eng.sched.add(make_seq(2, prompt_for(2, 3), 10))
+    plan = eng.sched.schedule().target_plans[0]
+    assert plan.logprobs == [1, -1]
+    ok = dict(step_id=plan.step_id, seq_ids=[1, 2], num_proposed=[2, 0], num_emitted=[2, 1], token_ids=[5, 6, 7])
+    v1, v2 = verdicts(plan, StepResult(**ok, num_top=[1, -1], logprobs=[-0.5, -1.0], top_ids=[5, 8],
+                                       top_logprobs=[-0.5, -0.25]))
+    assert v1.logprobs == (TokenLogprob(5, -0.5, [(5, -0.5)]), TokenLogprob(6, -1.0, [(8, -0.25)]))
+    assert v2.logprobs is None
+    with pytest.raises(ValueError, match="asked for 1 logprobs, the result gives -1"):
+        verdicts(plan, StepResult(**ok))
+    with pytest.raises(ValueError, match="asked for -1 logprobs, the result gives 0"):
+        verdicts(plan, StepResult(**ok, num_top=[1, 0], logprobs=[-0.5, -1.0, -2.0], top_ids=[5, 8],
+                                  top_logprobs=[-0.5, -0.25]))
+    with pytest.raises(ValueError, match="asked for 1 logprobs, the result gives 2"):
+        verdicts(plan, StepResult(**ok, num_top=[2, -1], logprobs=[-0.5, -1.0], top_ids=[5, 8, 1, 2],
+                                  top_logprobs=[-0.5, -0.25, -1.0, -1.0]))
 
 
 def test_update_returns_only_tokens_up_to_the_stop():

@@ -76,7 +76,7 @@ def hf_greedy(model, tokens: list[int], n: int) -> list[int]:
 
 def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, proposal_lens=None,
               proposal_token_ids=None, draft_rows=None, temperature=None, top_k=None, top_p=None,
-              seeds=None, free_seq_ids=(), step_id=0) -> StepPlan:
+              seeds=None, logprobs=None, free_seq_ids=(), step_id=0) -> StepPlan:
     """A StepPlan the way the driver fills it; per-sequence knobs default to greedy/off."""
     n = len(seq_ids)
     plan = StepPlan(step_id=step_id, width=width, seq_ids=list(seq_ids), num_computed=list(num_computed),
@@ -88,6 +88,7 @@ def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, 
                     top_k=list(top_k) if top_k is not None else [0] * n,
                     top_p=list(top_p) if top_p is not None else [1.0] * n,
                     seeds=list(seeds) if seeds is not None else [0] * n,
+                    logprobs=list(logprobs) if logprobs is not None else [],
                     free_seq_ids=list(free_seq_ids))
     plan.validate()
     return plan

@@ -194,3 +194,53 @@ def test_packed_verify_batch_matches_a_per_sequence_reference(k):
         got = packed_verify_batch(token_ids, num_new, props if k else [], plens, k)
         tokens, fed, rows = _packed_reference(token_ids, num_new, props, plens, k)
         assert (got.tokens, got.fed, got.score_rows) == (tokens, fed, rows)
+
+
+def _logprob_rows(result):
+    """Per sequence: its emitted tokens with (logprob, top ids, top logprobs), or None."""
+    out, pos, lp, top = {}, 0, 0, 0
+    for i, (sid, e) in enumerate(zip(result.seq_ids, result.num_emitted)):
+        n = result.num_top[i] if result.num_top else -1
+        if n < 0:
+            out[sid] = None
+        else:
+            out[sid] = [(result.token_ids[pos + j], result.logprobs[lp + j],
+                         result.top_ids[top + j * n:top + (j + 1) * n],
+                         result.top_logprobs[top + j * n:top + (j + 1) * n]) for j in range(e)]
+            lp += e
+            top += e * n
+        pos += e
+    return out
+
+
+def test_logprobs_are_the_targets_raw_log_softmax(worker, target_path, hf_model, hf_ref, plan_builder):
+    """Every emitted token of the sequences that asked (accepted proposals, corrections,
+    bonus tokens; greedy and sampled rows) carries transformers' own log-softmax at the
+    position that emitted it, untouched by temperature and top-k, with its top-n; the
+    others carry nothing and emit what they would without a neighbour asking."""
+    ref = hf_model(target_path)
+    g = torch.Generator().manual_seed(8)
+    seqs = {70: _rand(g, 6), 71: _rand(g, 4), 72: _rand(g, 9), 73: _rand(g, 5), 74: _rand(g, 7)}
+    G = {s: hf_ref.greedy(ref, t, K + 1) for s, t in seqs.items()}
+    proposals = {70: G[70][:3], 71: [G[71][0], wrong(G[71][1])], 72: [], 73: G[73][:3], 74: [wrong(G[74][0])]}
+    asked = [0, 3, 20, 5, -1]
+    knobs = dict(temperature=[0.0, 0.0, 0.0, 0.7, 0.9], top_k=[0, 0, 0, 5, 3], seeds=[1, 2, 3, 4, 5])
+    result = worker.verify(target_plan(plan_builder, seqs, proposals, logprobs=asked, **knobs))
+    result.validate()
+    assert result.num_top == asked
+    rows = _logprob_rows(result)
+    assert rows[74] is None
+    for s, n in zip(seqs, asked[:4]):
+        assert len(rows[s]) == len(emitted_by_seq(result)[s])
+        for j, (tok, lp, top_ids, top_lp) in enumerate(rows[s]):
+            history = seqs[s] + [t for t, *_ in rows[s][:j]]
+            want = torch.log_softmax(hf_ref.logits(ref, history)[-1], dim=-1)
+            assert abs(lp - want[tok].item()) < 1e-4, (s, j)
+            values, ids = want.topk(n)
+            assert torch.allclose(torch.tensor(top_lp), values, atol=1e-4)
+            assert top_ids == ids.tolist()
+    assert len(rows[70]) == 4 and len(rows[71]) == 2        # bonus token; a correction
+    # Asking changes no token: the same step again, nobody asking.
+    again = worker.verify(target_plan(plan_builder, {s + 10: t for s, t in seqs.items()},
+                                      {s + 10: p for s, p in proposals.items()}, **knobs))
+    assert again.token_ids == result.token_ids and again.num_top == [] and again.logprobs == []
