@@ -288,3 +288,64 @@ def test_the_python_handle_takes_stop_strings_too(server):
     streamed = list(rt.stream(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
                                                         stop=[stop])))
     assert "".join(d.text for d in streamed) == got.text
+
+
+def _reference_logprobs(t: str, prompt: list[int], output: list[int]):
+    """The target's own log-softmax at each emitted position, through transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(t, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1:len(prompt) + len(output) - 1].double(), dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_the_targets_own_log_softmax(client, pair, stream):
+    t, _, tok = pair
+    prompt = PROMPTS[2]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.9, seed=5, logprobs=3,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
+        tokens = [x for ch in chunks for x in ch.choices[0].logprobs.tokens]
+        values = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
+        tops = [x for ch in chunks for x in ch.choices[0].logprobs.top_logprobs]
+        offsets = [x for ch in chunks for x in ch.choices[0].logprobs.text_offset]
+        text = "".join(ch.choices[0].text for ch in chunks)
+    else:
+        c = client.completions.create(**kw).choices[0]
+        tokens, values, tops = c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs
+        offsets, text = c.logprobs.text_offset, c.text
+    assert len(tokens) == 16 and "".join(tokens) == text
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(16)]
+    # Each token string names one id: map them back through the tokenizer to compare.
+    output = [tok.convert_tokens_to_ids(tok.tokenize(s))[0] if s else 0 for s in tokens]
+    ref = _reference_logprobs(t, ids_of(tok, prompt), output)
+    for i, (value, top) in enumerate(zip(values, tops)):
+        assert abs(value - ref[i, output[i]].item()) < 1e-4
+        best = ref[i].topk(3)
+        assert len(top) == 3
+        assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_chat_logprobs_name_each_token_with_its_bytes(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = "}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6       # greedy: the best token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_speculation_false_proposes_nothing_and_changes_nothing(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    on = client.completions.create(**kw)
+    off = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "speculation": False}})
+    assert off.choices[0].text == on.choices[0].text
+    assert on.model_extra["specray"]["num_draft_tokens"] > 0
+    assert off.model_extra["specray"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
