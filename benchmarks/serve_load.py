@@ -1,0 +1,184 @@
+"""Load through the HTTP endpoint against the Python handle, on the same requests.
+
+For each concurrency C, C clients each send their next request when the last one ends
+(closed loop), streaming; the same requests go through HTTP (aiohttp, SSE) and through
+``SpecRuntime.stream`` in C threads, alternately, ``--repeats`` times. Reported as vLLM's
+benchmark_serving reports: time to first token and inter-token latency (per token: a
+chunk's gap divided by its tokens) p50/p99, output tokens/s, success rate; and the ratios
+HTTP / handle."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def http_level(url, model, prompts, conc, max_tokens, speculation):
+    import aiohttp
+
+    queue = list(range(len(prompts)))
+    ttft, itl, ok, tokens = [], [], 0, 0
+
+    async def worker(session):
+        nonlocal ok, tokens
+        while queue:
+            i = queue.pop()
+            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if not speculation:
+                body["speculation"] = False
+            t0 = time.perf_counter()
+            last, first = t0, None
+            async with session.post(url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    continue
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ch = json.loads(line[6:])
+                    now = time.perf_counter()
+                    if ch["choices"] and ch["choices"][0]["text"]:
+                        if first is None:
+                            first = now
+                            ttft.append(now - t0)
+                        else:
+                            n = max(1, len(ch["choices"][0]["text"]))     # byte-level tokenizer: chars = tokens
+                            itl.extend([(now - last) / n] * n)
+                        last = now
+                    if ch.get("usage"):
+                        tokens += ch["usage"]["completion_tokens"]
+                        ok += 1
+
+    t = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await asyncio.gather(*(worker(s) for _ in range(conc)))
+    return dict(wall=time.perf_counter() - t, ttft=ttft, itl=itl, ok=ok, tokens=tokens)
+
+
+def handle_level(rt, prompts, conc, max_tokens, speculation):
+    from specray import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, speculation=speculation)
+    queue = list(range(len(prompts)))
+    lock = threading.Lock()
+    ttft, itl, res = [], [], {"ok": 0, "tokens": 0}
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop()
+            t0 = time.perf_counter()
+            last, first, n_tok = t0, None, 0
+            for d in rt.stream(prompts[i], params):
+                now = time.perf_counter()
+                if d.token_ids:
+                    if first is None:
+                        first = now
+                        ttft.append(now - t0)
+                    else:
+                        itl.extend([(now - last) / len(d.token_ids)] * len(d.token_ids))
+                    last = now
+                    n_tok += len(d.token_ids)
+            with lock:
+                res["ok"] += 1
+                res["tokens"] += n_tok
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(conc)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return dict(wall=time.perf_counter() - t, ttft=ttft, itl=itl, **res)
+
+
+def summary(r, n):
+    return dict(tokens_per_s=r["tokens"] / r["wall"], ttft_p50_ms=1e3 * pct(r["ttft"], .5),
+                ttft_p99_ms=1e3 * pct(r["ttft"], .99), itl_p50_ms=1e3 * pct(r["itl"], .5),
+                itl_p99_ms=1e3 * pct(r["itl"], .99), success=r["ok"] / n)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--num-requests", type=int, default=0, help="per level (default: 16 or 2C, the larger)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--speculation", default="on", help="on, off or on,off")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import ray
+
+    from specray import RuntimeConfig, SpecRuntime
+    from specray.runtime.bench.prompts import bench_prompts
+    from specray.runtime.http_ingress import start_http, stop_http
+    from specray.runtime.model_store import builtin_model
+    from transformers import AutoTokenizer
+
+    load = [os.getloadavg()]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    target = builtin_model("tiny-target")
+    rt = SpecRuntime(RuntimeConfig(target=target, draft=builtin_model("tiny-draft"), num_speculative_tokens=args.k,
+                                   name="serve-load", namespace="serve-load"))
+    url = start_http("serve-load", "serve-load", "tiny", port=18777)
+    tok = AutoTokenizer.from_pretrained(target)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    try:
+        warm = [tok.decode(p) for p in bench_prompts("code", 8, tok)]
+        asyncio.run(http_level(url, "tiny", warm, 4, 8, True))
+        handle_level(rt, warm, 4, 8, True)
+        for spec in [s == "on" for s in args.speculation.split(",")]:
+            for c in levels:
+                n = args.num_requests or max(16, 2 * c)
+                prompts = [tok.decode(p) for p in bench_prompts("code", n, tok)]
+                runs = {"http": [], "handle": []}
+                for rep in range(args.repeats):
+                    order = ["http", "handle"] if rep % 2 == 0 else ["handle", "http"]
+                    for kind in order:
+                        if kind == "http":
+                            r = asyncio.run(http_level(url, "tiny", prompts, c, args.max_tokens, spec))
+                        else:
+                            r = handle_level(rt, prompts, c, args.max_tokens, spec)
+                        runs[kind].append(summary(r, n))
+                ratio = [h["tokens_per_s"] / p["tokens_per_s"] for h, p in zip(runs["http"], runs["handle"])]
+                dttft = [h["ttft_p50_ms"] - p["ttft_p50_ms"] for h, p in zip(runs["http"], runs["handle"])]
+                row = dict(concurrency=c, speculation=spec, requests=n, runs=runs, tokens_per_s_ratio=ratio,
+                           ttft_p50_diff_ms=dttft)
+                results.append(row)
+                med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+                print(f"spec={'on' if spec else 'off'} C={c:3d}: http {med['http']['tokens_per_s']:7.1f} tok/s "
+                      f"ttft {med['http']['ttft_p50_ms']:6.1f}/{med['http']['ttft_p99_ms']:6.1f} ms "
+                      f"itl {med['http']['itl_p50_ms']:5.2f}/{med['http']['itl_p99_ms']:5.2f} ms "
+                      f"ok {med['http']['success']:.2f} | handle {med['handle']['tokens_per_s']:7.1f} tok/s "
+                      f"ttft {med['handle']['ttft_p50_ms']:6.1f}/{med['handle']['ttft_p99_ms']:6.1f} ms "
+                      f"itl {med['handle']['itl_p50_ms']:5.2f} ms | ratio {statistics.median(ratio):.3f} "
+                      f"({min(ratio):.3f}-{max(ratio):.3f}) dTTFT {statistics.median(dttft):+.1f} ms", flush=True)
+    finally:
+        stop_http()
+        rt.shutdown()
+        ray.shutdown()
+    load.append(os.getloadavg())
+    print("load", load)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(results=results, load=load, args=vars(args)), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
