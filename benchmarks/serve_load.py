@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import threading
 import time
 
