@@ -1,0 +1,22 @@
+"""``specray serve --http``'s own flags (the server itself: test_serve.py, test_http.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specray.runtime.http_serve import replicas, served_name
+
+
+def test_http_replicas_take_n_or_min_max():
+    assert replicas("3") == (3, 3)
+    assert replicas("1,4") == (1, 4)
+    for bad in ("0", "4,2", "a", "1,2,3", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--http-replicas"):
+            replicas(bad)
+
+
+def test_the_served_name_is_the_target_directorys():
+    assert served_name("/models/SmolLM2-135M/") == "SmolLM2-135M"
+    assert served_name("org/model") == "model"
