@@ -40,6 +40,9 @@ def replicas(text: str) -> tuple[int, int]:
 
 
 def served_name(target: str) -> str:
+    """A local target is named by its directory; a hub id by itself, as vLLM names it."""
+    if not os.path.isdir(target):
+        return target
     return os.path.basename(os.path.normpath(target)) or target
 
 

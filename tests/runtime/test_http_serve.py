@@ -17,6 +17,7 @@ def test_http_replicas_take_n_or_min_max():
             replicas(bad)
 
 
-def test_the_served_name_is_the_target_directorys():
-    assert served_name("/models/SmolLM2-135M/") == "SmolLM2-135M"
-    assert served_name("org/model") == "model"
+def test_the_served_name_is_the_target_directorys_or_the_hub_id(tmp_path):
+    (tmp_path / "SmolLM2-135M").mkdir()
+    assert served_name(f"{tmp_path}/SmolLM2-135M/") == "SmolLM2-135M"
+    assert served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
