@@ -28,6 +28,7 @@ log = logging.getLogger("specray.http")
 
 POLL_S = 0.05          # a poll returns at the first step with news; this bounds a newcomer's wait
 UNAVAILABLE_S = 30.0   # a request waits this long for a driver that stopped answering
+RETRY_S = 0.5          # the pump's pause before asking a driver that failed to answer again
 DEPLOYMENT = "SpecrayIngress"
 
 app = FastAPI(title="specray", docs_url=None, redoc_url=None)
@@ -75,7 +76,7 @@ class DeltaPump:
             except errors as e:
                 for rid in ids:
                     self._put(rid, ("unavailable", f"the specray driver is unavailable: {type(e).__name__}"))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(RETRY_S)
                 continue
             except Exception as e:  # noqa: BLE001 - a pump that dies would hang every stream
                 for rid in ids:
@@ -139,9 +140,9 @@ def _error_response(e: api.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-@serve.deployment(name=DEPLOYMENT, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
-@serve.ingress(app)
-class Ingress:
+class OpenAIIngress:
+    """The routes; ``Ingress`` is this class as a Serve deployment."""
+
     def __init__(self, driver_name: str, namespace: str, served_model_name: str) -> None:
         import ray
 
@@ -295,6 +296,10 @@ class Ingress:
             texts = await self.driver.decode_tokens.remote(missing)
             self.names.update(zip(missing, texts))
         return self.names
+
+
+Ingress = serve.deployment(name=DEPLOYMENT, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})(
+    serve.ingress(app)(OpenAIIngress))
 
 
 def build_app(driver_name: str, namespace: str, served_model_name: str, replicas: tuple[int, int] = (1, 1)):
