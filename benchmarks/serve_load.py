@@ -1,8 +1,10 @@
 """Load through the HTTP endpoint against the Python handle, on the same requests.
 
 For each concurrency C, C clients each send their next request when the last one ends
-(closed loop), streaming; the same requests go through HTTP (aiohttp, SSE) and through
-``SpecRuntime.stream`` in C threads, alternately, ``--repeats`` times. Reported as vLLM's
+(closed loop); for each rate R (``--rates``), requests arrive at Poisson times, R a second
+(open loop). All stream; the same requests at the same times go through HTTP (aiohttp,
+SSE) and through ``SpecRuntime.stream`` (one thread a client), alternately,
+``--repeats`` times. Reported as vLLM's
 benchmark_serving reports: time to first token and inter-token latency (per token: a
 chunk's gap divided by its tokens) p50/p99, output tokens/s, success rate; and the ratios
 HTTP / handle."""
@@ -23,16 +25,27 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def http_level(url, model, prompts, conc, max_tokens, speculation):
+def poisson_times(n: int, rate: float, seed: int = 0) -> list[float]:
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+async def http_level(url, model, prompts, conc, max_tokens, speculation, arrivals=None):
+    """``conc`` closed-loop clients, or (``arrivals``) one request at each arrival time."""
     import aiohttp
 
     queue = list(range(len(prompts)))
     ttft, itl, ok, tokens = [], [], 0, 0
 
-    async def worker(session):
+    async def worker(session, only=None):
         nonlocal ok, tokens
-        while queue:
-            i = queue.pop()
+        while queue if only is None else only:
+            i = queue.pop() if only is None else only.pop()
             body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             if not speculation:
@@ -61,12 +74,19 @@ async def http_level(url, model, prompts, conc, max_tokens, speculation):
                         ok += 1
 
     t = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        await asyncio.gather(*(worker(s) for _ in range(conc)))
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=conn) as s:
+        if arrivals is None:
+            await asyncio.gather(*(worker(s) for _ in range(conc)))
+        else:
+            async def at(i):
+                await asyncio.sleep(max(0.0, t + arrivals[i] - time.perf_counter()))
+                await worker(s, [i])
+            await asyncio.gather(*(at(i) for i in range(len(prompts))))
     return dict(wall=time.perf_counter() - t, ttft=ttft, itl=itl, ok=ok, tokens=tokens)
 
 
-def handle_level(rt, prompts, conc, max_tokens, speculation):
+def handle_level(rt, prompts, conc, max_tokens, speculation, arrivals=None):
     from specray import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, speculation=speculation)
@@ -74,12 +94,14 @@ def handle_level(rt, prompts, conc, max_tokens, speculation):
     lock = threading.Lock()
     ttft, itl, res = [], [], {"ok": 0, "tokens": 0}
 
-    def worker():
+    def worker(only=None):
         while True:
             with lock:
-                if not queue:
+                if not (queue if only is None else only):
                     return
-                i = queue.pop()
+                i = queue.pop() if only is None else only.pop()
+            if arrivals is not None:
+                time.sleep(max(0.0, t + arrivals[i] - time.perf_counter()))
             t0 = time.perf_counter()
             last, first, n_tok = t0, None, 0
             for d in rt.stream(prompts[i], params):
@@ -97,7 +119,8 @@ def handle_level(rt, prompts, conc, max_tokens, speculation):
                 res["tokens"] += n_tok
 
     t = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(conc)]
+    threads = ([threading.Thread(target=worker) for _ in range(conc)] if arrivals is None else
+               [threading.Thread(target=worker, args=([i],)) for i in range(len(prompts))])
     for th in threads:
         th.start()
     for th in threads:
@@ -113,7 +136,8 @@ def summary(r, n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default="1,8,32", help="closed-loop levels ('' for none)")
+    ap.add_argument("--rates", default="", help="open-loop levels: Poisson arrivals, requests/s")
     ap.add_argument("--num-requests", type=int, default=0, help="per level (default: 16 or 2C, the larger)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -136,32 +160,35 @@ def main():
                                    name="serve-load", namespace="serve-load"))
     url = start_http("serve-load", "serve-load", "tiny", port=18777)
     tok = AutoTokenizer.from_pretrained(target)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [("concurrency", int(c)) for c in args.concurrency.split(",") if c] + \
+        [("rate", float(r)) for r in args.rates.split(",") if r]
     results = []
     try:
         warm = [tok.decode(p) for p in bench_prompts("code", 8, tok)]
         asyncio.run(http_level(url, "tiny", warm, 4, 8, True))
         handle_level(rt, warm, 4, 8, True)
         for spec in [s == "on" for s in args.speculation.split(",")]:
-            for c in levels:
-                n = args.num_requests or max(16, 2 * c)
+            for mode, c in levels:
+                n = args.num_requests or max(16, int(2 * c))
+                arrivals = poisson_times(n, c) if mode == "rate" else None
+                c = int(c) if mode == "concurrency" else c
                 prompts = [tok.decode(p) for p in bench_prompts("code", n, tok)]
                 runs = {"http": [], "handle": []}
                 for rep in range(args.repeats):
                     order = ["http", "handle"] if rep % 2 == 0 else ["handle", "http"]
                     for kind in order:
                         if kind == "http":
-                            r = asyncio.run(http_level(url, "tiny", prompts, c, args.max_tokens, spec))
+                            r = asyncio.run(http_level(url, "tiny", prompts, c, args.max_tokens, spec, arrivals))
                         else:
-                            r = handle_level(rt, prompts, c, args.max_tokens, spec)
+                            r = handle_level(rt, prompts, c, args.max_tokens, spec, arrivals)
                         runs[kind].append(summary(r, n))
                 ratio = [h["tokens_per_s"] / p["tokens_per_s"] for h, p in zip(runs["http"], runs["handle"])]
                 dttft = [h["ttft_p50_ms"] - p["ttft_p50_ms"] for h, p in zip(runs["http"], runs["handle"])]
-                row = dict(concurrency=c, speculation=spec, requests=n, runs=runs, tokens_per_s_ratio=ratio,
+                row = dict(mode=mode, level=c, speculation=spec, requests=n, runs=runs, tokens_per_s_ratio=ratio,
                            ttft_p50_diff_ms=dttft)
                 results.append(row)
                 med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-                print(f"spec={'on' if spec else 'off'} C={c:3d}: http {med['http']['tokens_per_s']:7.1f} tok/s "
+                print(f"spec={'on' if spec else 'off'} {mode}={c:g}: http {med['http']['tokens_per_s']:7.1f} tok/s "
                       f"ttft {med['http']['ttft_p50_ms']:6.1f}/{med['http']['ttft_p99_ms']:6.1f} ms "
                       f"itl {med['http']['itl_p50_ms']:5.2f}/{med['http']['itl_p99_ms']:5.2f} ms "
                       f"ok {med['http']['success']:.2f} | handle {med['handle']['tokens_per_s']:7.1f} tok/s "
