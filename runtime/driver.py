@@ -132,6 +132,7 @@ class DriverCore:
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborted: list[Sequence] = []
+        self._num_aborted = 0
         self._requests: dict[str, _Request] = {}
         # Stream polls waiting for tokens: the loop wakes waiters every step only while one
         # waits; ``wait`` callers need a wake-up only when a request ends (waking them every
@@ -354,6 +355,7 @@ class DriverCore:
                 if not req.seq.finished:
                     self._aborted.append(req.seq)
                     stopped.append(rid)
+            self._num_aborted += len(stopped)
             self._cv.notify_all()
         return stopped
 
@@ -419,6 +421,7 @@ class DriverCore:
         m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
                  # accepted and not yet delivered (finished ones wait here for their caller)
                  num_requests_held=len(self._requests), max_pending=self.config.max_pending,
+                 num_requests_aborted=self._num_aborted,
                  target_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.target_pools],
                  target_kv_blocks_total=[p.num_blocks for p in self.scheduler.target_pools],
                  draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],

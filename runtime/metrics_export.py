@@ -27,6 +27,7 @@ COUNTERS = {
     "num_spec_off_steps": "steps in which no sequence speculated",
     "num_preemptions": "sequences preempted",
     "num_requests_finished": "requests finished",
+    "num_requests_aborted": "requests their clients abandoned (freed before the next step)",
 }
 
 

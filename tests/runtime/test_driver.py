@@ -73,6 +73,7 @@ def test_abort_frees_blocks_before_the_next_step_and_others_decode_on(llama_pair
         drv.shutdown()
     assert out.token_ids == hf_greedy(t, [[8, 9, 10]], 25)[0]
     assert m["target_kv_blocks_used"] == [0] and m["num_running"] == 0 and m["num_requests_held"] == 0
+    assert m["num_requests_aborted"] == 1
     with pytest.raises(ValueError, match="unknown request_id"):
         drv.poll(long)
 

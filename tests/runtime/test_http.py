@@ -246,7 +246,7 @@ def test_48_concurrent_streams_each_equal_the_request_alone(server):
 
 def test_a_dropped_stream_aborts_its_request_and_frees_its_blocks(client, server):
     rt = server[1]
-    before = rt.metrics()["num_emitted_tokens"]
+    before = rt.metrics()
     s = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     it = iter(s)
@@ -260,7 +260,8 @@ def test_a_dropped_stream_aborts_its_request_and_frees_its_blocks(client, server
             break
         time.sleep(0.1)
     assert (m["num_running"], m["num_requests_held"], sum(m["target_kv_blocks_used"])) == (0, 0, 0)
-    assert m["num_emitted_tokens"] - before < 200          # it did not run to the end
+    assert m["num_emitted_tokens"] - before["num_emitted_tokens"] < 200      # it did not run to the end
+    assert m["num_requests_aborted"] == before["num_requests_aborted"] + 1
     assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3).choices
 
 
