@@ -63,6 +63,14 @@ class ActorHandle:
         self._ready = None        # a ready() call in flight while the actor is lost
         self._asked = 0.0
         self.channel = CompiledChannel(getattr(actor, self.step_method)) if compiled else None
+        # call id -> (call, deaths counted when it was sent): two calls in flight when the
+        # actor dies (groups in flight) are one death.
+        self._sent: dict[int, tuple] = {}
+
+    def _stamp(self, ref):
+        """``ref``, remembered with the deaths counted so far (see ``_get``)."""
+        self._sent[id(ref)] = (ref, self.losses)
+        return ref
 
     @property
     def _on_channel(self) -> bool:
@@ -95,13 +103,19 @@ class ActorHandle:
         try:
             if isinstance(ref, BaseException):
                 raise ref
-            return CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+            got = CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+            self._sent.pop(id(ref), None)
+            return got
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
             # A lost call or an empty restarted worker: either way one death (a worker
-            # that is down gets no calls, so a death is not counted twice). Its graph
-            # is closed with it; a new one is built once it answers again.
+            # that is down gets no calls, and a call sent before a death already counted
+            # is that death). Its graph is closed with it; a new one is built once it
+            # answers again.
+            sent = self._sent.pop(id(ref), (None, self.losses))[1]
+            if sent < self.losses:
+                raise WorkerLost(str(e)) from None
             self.losses += 1
             if self.channel is not None:
                 self.channel.close()

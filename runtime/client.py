@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import ClusterConfig, RuntimeConfig
 from specray.runtime.driver import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
-from specray.runtime import ray_env
+from specray.runtime import layout, ray_env
 from specray.runtime.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
 
@@ -27,21 +27,22 @@ class SpecRuntime:
             raise ValueError(f"config must be a RuntimeConfig, got {type(config).__name__}")
         cluster = config.cluster
         self._owns_ray = ray_env.acquire(cluster.ray_address, cluster.namespace, cluster.ray_connect_timeout_s)
-        # The driver lives on this process's node: on an autoscaling cluster that is the
-        # node that stays (head or job node), not a worker node that may be taken away with
-        # every request's state. It needs no resources, so any node can host it; not soft,
-        # because Ray's soft affinity moved it to other nodes in tests.
-        here = ray.get_runtime_context().get_node_id()
-        opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
-        backend = "ray"
-        if cluster.colocate:
-            # One process hosts driver, draft and target: it asks for the target's resources.
-            from specray.runtime.actor_handle import actor_options
+        config = layout.resolve(config)
+        cluster = config.cluster
+        # Either layout's driver hosts a target worker, so it asks for the target's
+        # resources and lands wherever those are (on an autoscaling cluster, a target node).
+        # Asking for nothing, it lives on this process's node: the node that stays (head or
+        # job node); not soft, because Ray's soft affinity moved it to other nodes in tests.
+        from specray.runtime.actor_handle import actor_options
 
-            device = config.model.device
-            gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-            opts = actor_options(cluster.target_resources, gpu)   # wherever those are
-            backend = "local"
+        device = config.model.device
+        gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        if cluster.target_resources or gpu:
+            opts = actor_options(cluster.target_resources, gpu)
+        else:
+            here = ray.get_runtime_context().get_node_id()
+            opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
+        backend = layout.BACKENDS[config.cluster.layout]
         if cluster.name:
             opts.update(name=cluster.name, namespace=cluster.namespace)
         if cluster.detached:

@@ -27,6 +27,7 @@ from specray.scheduler.config import (CacheConfig, SpeculationConfig, check_bool
 from specray.workers.config import ModelConfig
 
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+LAYOUTS = ("auto", "actors", "colocated")
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,16 @@ class ClusterConfig:
     max_worker_restarts: int = field(default=3, metadata={"help": "Ray restarts a dead worker this many times"})
     target_down_timeout_s: float = field(default=120.0, metadata={
         "help": "requests fail once every target worker has been gone this long (s)"})
+    layout: str = field(default="auto", metadata={
+        "help": "actors: draft workers on actors of their own, the target in the driver's process (one hop a "
+                "step); colocated: draft and target in the driver's process; auto: colocated where they would "
+                "share one device or one machine's CPUs and nothing asks for separate resources",
+        "choices": LAYOUTS})
+    groups_in_flight: int = field(default=2, metadata={
+        "help": "in the actor layout at batch >= 2, the draft proposes for one group of sequences while the "
+                "target verifies the other (2), or each step runs alone (1)", "choices": (1, 2)})
     colocate: bool = field(default=False, metadata={
-        "help": "run draft and target inside the driver's actor (one process, no hops per step)"})
+        "help": "the same as --layout colocated (draft and target inside the driver's actor)"})
     compiled_graph: bool = field(default=False, metadata={
         "help": "driver <-> worker steps over Ray Compiled Graph channels instead of actor calls"})
     placement_strategy: str = field(default="SPREAD", metadata={
@@ -71,6 +80,8 @@ class ClusterConfig:
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
             raise ValueError(f"ray_address must be None, 'auto' or host:port, got {self.ray_address!r}")
         check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("groups_in_flight", self.groups_in_flight, (1, 2))
         for name in ("colocate", "compiled_graph", "detached"):
             check_bool(name, getattr(self, name))
         for name in ("draft_resources", "target_resources"):
@@ -78,8 +89,14 @@ class ClusterConfig:
             if not isinstance(res, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
                                                 for v in res.values()):
                 raise ValueError(f"{name} must map resource names to non-negative amounts")
+        if self.colocate and self.layout == "actors":
+            raise ValueError("colocate=True is layout='colocated'; it contradicts layout='actors'")
+        # colocate is the old name of layout="colocated": each implies the other.
+        if self.colocate or self.layout == "colocated":
+            object.__setattr__(self, "layout", "colocated")
+            object.__setattr__(self, "colocate", True)
         if self.compiled_graph and self.colocate:
-            raise ValueError("compiled_graph needs worker actors; colocate=True runs the workers in the driver")
+            raise ValueError("compiled_graph needs worker actors; layout='colocated' runs the workers in the driver")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,
@@ -104,6 +121,7 @@ class RuntimeConfig:
         self, target: str = _UNSET, draft: str | None = _UNSET, *,
         # ModelConfig
         device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET, executor: str = _UNSET,
+        torch_threads: int = _UNSET,
         cuda_graphs: bool = _UNSET, cuda_graph_query_lens: tuple = _UNSET,
         # CacheConfig
         block_size: int = _UNSET, num_kv_blocks: int | None = _UNSET, max_num_seqs: int = _UNSET,
@@ -117,7 +135,7 @@ class RuntimeConfig:
         # ClusterConfig
         num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
-        colocate: bool = _UNSET, compiled_graph: bool = _UNSET, placement_strategy: str = _UNSET,
+        layout: str = _UNSET, groups_in_flight: int = _UNSET, colocate: bool = _UNSET, compiled_graph: bool = _UNSET, placement_strategy: str = _UNSET,
         placement_timeout_s: float = _UNSET, ray_address: str | None = _UNSET,
         ray_connect_timeout_s: float = _UNSET, name: str | None = _UNSET, namespace: str = _UNSET,
         detached: bool = _UNSET,

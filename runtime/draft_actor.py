@@ -52,7 +52,10 @@ class DraftHandle(ActorHandle):
     def submit(self, plan):
         data = encode(plan)
         ref = self._execute(data) if self._on_channel else None
-        return ref if ref is not None else self.actor.propose_msg.remote(data)
+        if ref is not None:
+            return self._stamp(ref)
+        ref, probs = self.actor.propose_msg.remote(data)
+        return self._stamp(ref), probs
 
     def wait(self, handle):
         if not isinstance(handle, tuple):     # a compiled graph's one value (or its error)

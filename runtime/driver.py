@@ -22,6 +22,7 @@ import ray
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.engine import Engine
+from specray.runtime.step_groups import GroupEngine, wants_groups
 from specray.runtime.policies import build_policy
 from specray.runtime.request_output import RequestOutput
 from specray.runtime.stop_strings import held_back, stop_cut
@@ -101,15 +102,21 @@ def _call_off(launch: Future, cancel: threading.Event) -> None:
 
 class DriverCore:
     def __init__(self, config: RuntimeConfig, backend: str = "ray", export_metrics: bool | None = None) -> None:
-        """``backend``: "ray" (workers are actors) or "local" (workers in this process, as
-        in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics API
-        (default: with the ray backend)."""
+        """``backend``: "ray" (workers are actors), "hosted" (the actor layout: the target
+        worker in this process, draft workers actors) or "local" (workers in this process,
+        as in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics
+        API (default: with the ray backend)."""
         self.config = config
+        self.layout = "colocated" if backend == "local" else "actors"
         policy = build_policy(config.speculation)      # bad policy options are refused before any start
         # The workers start first and load their models while this process reads configs
         # and the tokenizer (importing transformers alone takes seconds): each worker
         # bounds its own window by the models'.
         cancel = threading.Event()
+        if backend in ("local", "hosted"):
+            # Workers load in this process too: transformers imported from two threads at
+            # once fails half-initialised, so it is imported here first.
+            import specray.workers.target_worker  # noqa: F401
         with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
             launch = ex.submit(start_workers, config, backend, cancel)
             try:
@@ -125,7 +132,8 @@ class DriverCore:
                                    draft_max_len=draft_len, num_proposers=len(self.pool.proposers), policy=policy)
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process (backend "local") they run in turn, computing the same windows.
-        self.engine = Engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
+        engine = GroupEngine if wants_groups(config, backend) else Engine
+        self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
                              config.cluster.target_down_timeout_s, overlap=config.speculation.overlap,
                              suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.draft_model)
         self._rng = random.Random(config.seed)
@@ -434,6 +442,7 @@ class DriverCore:
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
+                 layout=self.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),
                  last_error=self._last_error)
         if self.pool.suffix is not None:
             m.update(self.pool.suffix.stats())

@@ -157,7 +157,10 @@ class Engine:
         merge_s = 0.0
         pending = []
         chosen: dict[int, Proposals] = {}          # seq id -> the shard verified, where there was a choice
-        for r, plan in enumerate(step.target_plans):
+        # Remote workers first: an in-process one computes in its submit, while they do.
+        order = sorted(range(len(step.target_plans)), key=lambda r: getattr(self.verifiers[r], "inline", False))
+        for r in order:
+            plan = step.target_plans[r]
             if plan is None:
                 continue
             probs = []
@@ -175,7 +178,7 @@ class Engine:
             pending.append((r, plan, self.verifiers[r].submit(plan, probs)))
         out: list[Verdict] = []
         compute_s = 0.0
-        for r, plan, h in pending:
+        for r, plan, h in sorted(pending, key=lambda p: p[0]):     # verdicts in rank order, as ever
             try:
                 result = self.verifiers[r].wait(h)
             except WorkerLost:

@@ -39,9 +39,9 @@ class TargetHandle(ActorHandle):
             # A draft on classic calls hands over ObjectRefs; a channel carries values.
             ref = self._execute((data, [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in probs]))
             if ref is not None:
-                return ref
+                return self._stamp(ref)
         # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
-        return self.actor.verify_msg.remote(data, *probs)
+        return self._stamp(self.actor.verify_msg.remote(data, *probs))
 
     def wait(self, handle):
         return decode(self._get(handle), StepResult)

@@ -36,7 +36,10 @@ class PredraftCall(Protocol):
 
 
 class LocalCall:
-    """An in-process worker method as a WorkerCall."""
+    """An in-process worker method as a WorkerCall. It computes in ``submit`` (``inline``):
+    the engine submits every remote worker's step first, so those compute meanwhile."""
+
+    inline = True
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn

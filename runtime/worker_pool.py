@@ -79,16 +79,18 @@ class StartCancelled(Exception):
 
 def start_workers(cfg: RuntimeConfig, backend: str,
                   cancel: threading.Event | None = None) -> WorkerPool:
-    """``cancel``: once set, a start still waiting for placement or for its workers to
+    """``backend``: "ray" (every worker an actor), "hosted" (the first target worker in
+    this process, the rest actors: the actor layout) or "local" (all in this process).
+    ``cancel``: once set, a start still waiting for placement or for its workers to
     load stops, releases what it took and raises StartCancelled. Loading a large model
     takes minutes; a driver that has already refused the configuration (a draft with
     another vocabulary) should not make its user wait for it."""
     cancel = cancel or threading.Event()
     if backend == "local":
         return _start_local(cfg, cancel)
-    if backend != "ray":
-        raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
-    return _start_ray(cfg, cancel)
+    if backend not in ("ray", "hosted"):
+        raise ValueError(f"backend must be 'ray', 'hosted' or 'local', got {backend!r}")
+    return _start_ray(cfg, cancel, hosted=backend == "hosted")
 
 
 def _check(cancel: threading.Event) -> None:
@@ -178,7 +180,10 @@ def worker_cache(cache: CacheConfig, gpu_part: float) -> CacheConfig:
     return replace(cache, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION * min(1.0, gpu_part))
 
 
-def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
+def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False) -> WorkerPool:
+    """``hosted``: the first target worker loads in this process (while the actors load
+    in theirs) and is called in place; the engine verifies its shard after sending the
+    other target workers theirs."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -190,13 +195,13 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
-             for _ in range(cluster.num_target_workers)]
+             for _ in range(cluster.num_target_workers - hosted)]
     if cfg.speculation.draft_model:
         kinds += [("draft", RemoteDraftActor, actor_options(cluster.draft_resources, gpu))
                   for _ in range(cluster.num_draft_workers)]
     bundles = [_bundle(opts) for _, _, opts in kinds]
     pg = None
-    if all(bundles):
+    if bundles and all(bundles):
         pg = placement_group(bundles, strategy=cluster.placement_strategy)
         try:
             placed = _wait_all([pg.ready()], cancel, cluster.placement_timeout_s)
@@ -222,8 +227,9 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]
         d_refs = [a.num_blocks.remote() for a in drafts]
+        local = _host_target(cfg, gpu, cancel) if hosted else None
         _wait_all(t_refs + d_refs, cancel)      # the models load: what a refusal stops
-        t_blocks = ray.get(t_refs)
+        t_blocks = ([local.num_blocks()] if local is not None else []) + ray.get(t_refs)
         d_blocks = ray.get(d_refs) if drafts else None
     except BaseException:
         for a in actors:
@@ -233,17 +239,44 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         raise
     restarts = cluster.max_worker_restarts
     verifiers = [TargetHandle(a, restarts, cluster.compiled_graph) for a in targets]
+    if local is not None:
+        verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *_values(probs))))
     remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph) for a in drafts]
-    pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg)
+    pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
+                      local_workers=[local] if local is not None else [])
     pool.proposers += _host_proposers(cfg, pool)
     if cluster.compiled_graph:
         try:
             for call in verifiers + remote_proposers:
-                call.warm_up()
+                if not getattr(call, "inline", False):
+                    call.warm_up()
         except BaseException:
             pool.release()
             raise
     return pool
+
+
+def _values(probs: list) -> list:
+    """Draft probabilities as tensors: the draft actors hand over ObjectRefs, which Ray
+    resolves for an actor's call but not for a call in this process."""
+    import ray
+
+    refs = [i for i, p in enumerate(probs) if isinstance(p, ray.ObjectRef)]
+    got = ray.get([probs[i] for i in refs]) if refs else []
+    out = list(probs)
+    for i, v in zip(refs, got):
+        out[i] = v
+    return out
+
+
+def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
+    """The target worker of this process (the driver's actor, which asked for the
+    target's resources), sized from its own share of the GPU as an actor would be."""
+    from specray.workers.target_worker import TargetWorker
+
+    _check(cancel)
+    part = _gpu_part(cfg.cluster.target_resources) if gpu else 0
+    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part))
 
 
 def _bundle(opts: dict) -> dict:

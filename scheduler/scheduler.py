@@ -163,16 +163,17 @@ class Scheduler:
         t_load[seq.target_rank] += n
         d_load[seq.draft_rank] += n
 
-    def _decide(self) -> Decision:
-        """The policy's proposal lengths for the running sequences and for newcomers."""
+    def _decide(self, running: list[Sequence]) -> Decision:
+        """The policy's proposal lengths for the running sequences this step plans and for
+        newcomers."""
         if self.num_speculative_tokens == 0:
-            return Decision([0] * len(self.running))
-        view = PolicyView(seq_ids=[s.seq_id for s in self.running],
-                          proposal_limits=[self.proposal_limit(s) for s in self.running],
-                          fed_tokens=sum(s.num_tokens - s.target_computed for s in self.running),
+            return Decision([0] * len(running))
+        view = PolicyView(seq_ids=[s.seq_id for s in running],
+                          proposal_limits=[self.proposal_limit(s) for s in running],
+                          fed_tokens=sum(s.num_tokens - s.target_computed for s in running),
                           batch_size=self._reachable_batch())
         decision = self.policy.decide(view)
-        if len(decision.proposal_lens) != len(self.running) or any(
+        if len(decision.proposal_lens) != len(running) or any(
                 not 0 <= k <= limit for k, limit in zip(decision.proposal_lens, view.proposal_limits)):
             raise ValueError(f"policy decided proposal_lens {decision.proposal_lens} for limits "
                              f"{view.proposal_limits}")
@@ -182,13 +183,21 @@ class Scheduler:
         """The batch this step may reach once the waiting requests are admitted."""
         return min(len(self.running) + len(self.waiting), self.cache.max_num_seqs)
 
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self, in_flight: frozenset[int] = frozenset(), max_seqs: int | None = None) -> ScheduledStep | None:
+        """The next step. ``in_flight``: sequences whose step is still being computed (a
+        group in flight): they keep their reservations and are neither planned, preempted
+        nor counted out of ``max_num_seqs``. ``max_seqs``: at most this many sequences in
+        the step (a group's share; the running ones left out join a later step)."""
         batch: list[tuple[Sequence, int]] = []
         preempted = False
         self._draft_slots.clear()
-        decision = self._decide()
-        planned = dict(zip((s.seq_id for s in self.running), decision.proposal_lens))
-        queue = list(self.running)
+        free = [s for s in self.running if s.seq_id not in in_flight]
+        cap = self.cache.max_num_seqs - (len(self.running) - len(free))
+        if max_seqs is not None:
+            free, cap = free[:max_seqs], min(cap, max_seqs)
+        decision = self._decide(free)
+        planned = dict(zip((s.seq_id for s in free), decision.proposal_lens))
+        queue = list(free)
         while queue:
             seq = queue.pop(0)
             k = self._reserve(seq, planned[seq.seq_id])
@@ -213,8 +222,10 @@ class Scheduler:
             d_load[s.draft_rank] += s.num_tokens
         # No admissions in a step that had to preempt (that would thrash), unless nothing
         # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
-        while self.waiting and not (preempted and batch) and len(batch) < self.cache.max_num_seqs:
+        while self.waiting and not (preempted and batch) and len(batch) < cap:
             seq = self.waiting[0]
+            if seq.seq_id in in_flight:
+                break      # preempted (a lost worker) while its step is in flight: it waits for that step
             cost = seq.num_tokens - seq.target_computed
             if batch and cost > budget:
                 break
@@ -323,7 +334,13 @@ class Scheduler:
             if seq is None:
                 raise ValueError(f"a verdict for sequence {v.seq_id}, which is not in step {outcome.step.step_id} "
                                  "(or has two)")
+            if seq.status is not SequenceStatus.RUNNING:
+                # Aborted, or preempted by a lost worker, while this step was in flight
+                # (groups in flight): what it emitted is recomputed, or not wanted.
+                continue
             out.append((seq, seq.apply(v, self.max_model_len, outcome.draft_kept.get(v.seq_id))))
+            if seq.draft_rank in self.drafts_down:
+                seq.draft_computed = 0     # lost since this step was planned: it holds nothing
         for r in sorted(outcome.lost_drafts):
             self.draft_lost(r)
         for r in sorted(outcome.lost_targets):

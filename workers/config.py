@@ -28,6 +28,9 @@ class ModelConfig:
     executor: str = field(default="auto", metadata={
         "help": "forward path: auto (specray's own for Llama/Mistral/Qwen2/Qwen3, else transformers), "
                 "native (refuse other models) or transformers", "choices": EXECUTORS})
+    torch_threads: int = field(default=0, metadata={
+        "help": "torch threads of each worker process (0: Ray's default, one a process; a co-located "
+                "runtime's one process may take every core)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "on CUDA, replay decode and verify steps of the native executor as CUDA graphs "
                 "(every batch bucket captured at start-up); off: every step eager"})
@@ -47,6 +50,7 @@ class ModelConfig:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         check_choice("executor", self.executor, EXECUTORS)
+        check_int("torch_threads", self.torch_threads, 0)
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         lens = self.cuda_graph_query_lens

@@ -38,6 +38,8 @@ class ModelRunner:
         ``window_of``: another checkpoint whose context window also bounds this one's (the
         draft serves the target's sequences). Read here, so the driver can start workers
         before it has loaded any config itself."""
+        if model.torch_threads:
+            torch.set_num_threads(model.torch_threads)      # the whole process's: its workers share it
         self.path = path
         self.cache_config = cache
         self.max_num_seqs = cache.max_num_seqs

@@ -62,7 +62,7 @@ def test_compiled_graph_samples_equal_the_in_process_path(rt, llama_pair):
     local, _ = run_local(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                        dtype="float32", max_model_len=MAX_LEN), ps, sampled)
     assert [o.token_ids for o in rt.generate(ps, sampled)] == [o.token_ids for o in local]
-    assert rt.metrics()["num_compiled_workers"] == 2
+    assert rt.metrics()["num_compiled_workers"] == 1     # the draft's; the target lives in the driver
 
 
 def test_stream_yields_increments_that_add_up(rt):

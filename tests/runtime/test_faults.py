@@ -33,9 +33,11 @@ def expected(llama_pair):
 
 
 def start_runtime(llama_pair, **kw) -> SpecRuntime:
+    """The actor layout: the draft on an actor of its own, the first target worker in the
+    driver's process, any further one on an actor."""
     t, d = llama_pair
     return SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                     dtype="float32", **kw))
+                                     dtype="float32", layout="actors", **kw))
 
 
 def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
@@ -72,6 +74,7 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["num_draft_worker_failures"] >= 1
+        assert m["num_group_steps"] > 0            # it died with two groups in flight
         # Ray restarted it (a new process) and speculation resumed.
         deadline = time.time() + 60
         while not (alive_pids("DraftActor") and alive_pids("DraftActor")[0] != victim) and time.time() < deadline:
@@ -86,20 +89,26 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         after = rt.metrics()
         assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
-        assert after["num_compiled_workers"] == 2
+        assert after["num_compiled_workers"] == 1      # the draft's; the target is in the driver
     finally:
         rt.shutdown()
 
 
 def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair, expected):
-    rt = start_runtime(llama_pair, max_worker_restarts=2)
+    """The second target worker (the first lives in the driver's process) dies."""
+    rt = start_runtime(llama_pair, max_worker_restarts=2, num_target_workers=2)
     try:
         (victim,) = alive_pids("TargetActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
         assert m["num_target_worker_failures"] >= 1
+        assert m["num_group_steps"] > 0
         assert m["num_preemptions"] >= 1          # its sequences were requeued and recomputed
-        assert m["target_workers_down"] == []
+        # The other target worker served meanwhile; the idle driver notices the restart.
+        deadline = time.time() + 60
+        while rt.metrics()["target_workers_down"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert rt.metrics()["target_workers_down"] == []
         assert alive_pids("TargetActor") and alive_pids("TargetActor")[0] != victim
     finally:
         rt.shutdown()
@@ -126,20 +135,27 @@ def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(
 
 
 def test_requests_fail_clearly_once_every_target_worker_is_dead_for_good(ray_session, llama_pair):
-    rt = start_runtime(llama_pair, max_worker_restarts=0, target_down_timeout_s=600)
+    """Every target worker an actor (a driver whose workers are all actors: ``backend="ray"``;
+    in the actor layout the first target worker lives and dies with the driver)."""
+    from specray.runtime.driver import DriverCore
+
+    t, d = llama_pair
+    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", max_worker_restarts=0, target_down_timeout_s=600),
+                     backend="ray", export_metrics=False)
     try:
         (victim,) = alive_pids("TargetActor")
+        reply = drv.submit(PROMPTS, [SamplingParams(max_tokens=160, temperature=0.0)] * len(PROMPTS))
+        first = drv.poll(reply.request_ids[0], timeout=120)
+        assert first is not None and first.token_ids
         start = time.monotonic()
-        try:
-            kill_mid_generation(rt, victim)
-        except RuntimeError as e:
-            assert "every target worker is dead" in str(e)
-        else:
-            raise AssertionError("requests on a dead target pool must fail")
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="every target worker is dead"):
+            drv.wait(reply.request_ids, timeout=120)
         # Without waiting for target_down_timeout_s: a dead-for-good pool is known at once.
         assert time.monotonic() - start < 120
-        m = rt.metrics()
+        m = drv.metrics()
         assert m["target_workers_dead"] == [0]
         assert "every target worker is dead" in m["last_error"]
     finally:
-        rt.shutdown()
+        drv.shutdown()

@@ -201,3 +201,22 @@ def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vo
     assert m["num_predraft_windows_used"] > n // 20
     assert chi2_pvalue(counts, exact_joint(target, 1.0, depth=3), n) > 1e-3
     assert chi2_pvalue(counts, exact_joint(draft, 1.0, depth=3), n) < 1e-6
+
+
+def test_two_groups_in_flight_keep_the_target_distribution(tiny_vocab_pair):
+    """While the target verifies one group the draft proposes for the other
+    (``GroupEngine``, in process: the order of calls is what groups change)."""
+    from specray.runtime.step_groups import GroupEngine
+
+    target, draft = tiny_vocab_pair
+    cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=1, block_size=4, device="cpu",
+                        dtype="float32", max_num_seqs=1024, max_pending=N, seed=17)
+
+    def groups(drv):
+        drv.engine = GroupEngine(drv.scheduler, drv.engine.verifiers, drv.engine.proposers)
+
+    outs, m = sample(cfg, SamplingParams(max_tokens=2, temperature=1.0), prepare=groups)
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert m["num_group_steps"] > 0 and 0.1 < m["acceptance_rate"] < 0.9
+    assert chi2_pvalue(counts, exact_joint(target, 1.0)) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(draft, 1.0)) < 1e-6

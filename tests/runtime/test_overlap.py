@@ -63,7 +63,10 @@ def test_greedy_outputs_equal_serial_through_actors(llama_pair, ray_module):
     target, draft = llama_pair
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     serial, _ = run(config(target, target, max_num_seqs=2), "local", PROMPTS, params)
-    over, m = run(config(target, target, max_num_seqs=2, overlap=True, ray_address=None), "ray", PROMPTS, params)
+    # The actor layout (the target in the driver's process); one group in flight, as at
+    # batch 1: pre-drafts serve steps that run alone.
+    over, m = run(config(target, target, max_num_seqs=2, overlap=True, ray_address=None, groups_in_flight=1),
+                  "hosted", PROMPTS, params)
     assert over == serial and m["num_predraft_windows_used"] > 0
     assert m["draft_hidden_s"] > 0.0
 
