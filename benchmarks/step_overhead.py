@@ -1,13 +1,14 @@
 """Per-step time of one runtime layout against another, side by side in one run.
 
     python benchmarks/step_overhead.py [--target DIR --draft DIR] [--tokens 64] [--repeats 3]
+                                       [--batch-sizes 1,8,32] [--layouts co-located,single node]
 
-Layouts: co-located (driver, draft and target in one actor), single node (driver, draft
-and target actors on one node) with classic actor calls and with compiled graph
-channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
-their own nodes, both ways). Each reports, per step at batch 1: wall time, the draft and verify
-workers' own compute, messaging (the rest of those calls), and the driver's own overhead
-(scheduling, merge, update), medians over the repeats.
+Layouts: co-located (driver, draft and target in one actor), single node (the actor
+layout: the driver's actor hosting the target, a draft actor beside it, on one node) with
+two groups in flight (the default), one group, and compiled graph channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
+their own nodes, both ways). Each reports, per step and batch size: wall time, the draft
+and verify workers' own compute, messaging (the rest of those calls: the hops), and the
+driver's own overhead (scheduling, merge, update), medians over the repeats.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import argparse
 import json
 import statistics
 
+COLS = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
+SINGLE = ("co-located", "single node", "single node 1 group", "compiled")
+MULTI = ("multi-node", "multi compiled")
 
 
-def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> dict:
+def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int, batch: int) -> dict:
     from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
     rt = SpecRuntime(RuntimeConfig(**cfg_kwargs))
@@ -27,12 +31,11 @@ def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int) -> 
         rows = []
         for r in range(repeats):
             before = rt.metrics()
-            rt.generate([prompts[r % len(prompts)]], SamplingParams(max_tokens=tokens, temperature=0.0))
+            batch_prompts = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+            rt.generate(batch_prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
             after = rt.metrics()
             steps = after["num_steps"] - before["num_steps"]
-            per = {k: (after[k] - before[k]) / steps * 1e3 for k in
-                   ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s",
-                    "driver_overhead_s")}
+            per = {k: (after[k] - before[k]) / steps * 1e3 for k in COLS}
             per["tokens_per_step"] = (after["num_emitted_tokens"] - before["num_emitted_tokens"]) / steps
             rows.append(per)
         return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
@@ -52,32 +55,43 @@ def main() -> None:
     ap.add_argument("--draft", default=builtin_model("tiny-draft"))
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--layouts", default=",".join(SINGLE + MULTI), help="comma-separated, of: " + ", ".join(SINGLE + MULTI))
     ap.add_argument("-k", type=int, default=4)
     args = ap.parse_args()
-    prompts = held_out_prompts(args.repeats)
-    base = dict(target=args.target, draft=args.draft, num_speculative_tokens=args.k, device="cpu", dtype="float32")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    layouts = [x.strip() for x in args.layouts.split(",")]
+    prompts = held_out_prompts(max(args.repeats * max(sizes), args.repeats))
+    base = dict(target=args.target, draft=args.draft, num_speculative_tokens=args.k, device="cpu", dtype="float32",
+                max_num_seqs=max(sizes))
+    kinds = {"co-located": {"layout": "colocated"}, "single node": {"layout": "actors"},
+             "single node 1 group": {"layout": "actors", "groups_in_flight": 1},
+             "compiled": {"layout": "actors", "compiled_graph": True}}
     results = {}
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    results["co-located"] = measure({**base, "colocate": True}, prompts, args.tokens, args.repeats)
-    results["single node"] = measure(base, prompts, args.tokens, args.repeats)
-    results["compiled"] = measure({**base, "compiled_graph": True}, prompts, args.tokens, args.repeats)
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for kind in ("draft", "target"):
-        cluster.add_node(num_cpus=0, resources={f"specray_{kind}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        placed = {**base, "draft_resources": {"specray_draft": 1}, "target_resources": {"specray_target": 1}}
-        results["multi-node"] = measure(placed, prompts, args.tokens, args.repeats)
-        results["multi compiled"] = measure({**placed, "compiled_graph": True}, prompts, args.tokens, args.repeats)
-    finally:
+    if any(x in SINGLE for x in layouts):
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        for name in (x for x in layouts if x in SINGLE):
+            for b in sizes:
+                results[f"{name} b{b}"] = measure({**base, **kinds[name]}, prompts, args.tokens, args.repeats, b)
         ray.shutdown()
-        cluster.shutdown()
-    cols = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
-    print(f"{'layout':14} " + " ".join(f"{c[:-2]:>16}" for c in cols) + f" {'tok/step':>9}   (ms per step)")
+    if any(x in MULTI for x in layouts):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for kind in ("draft", "target"):
+            cluster.add_node(num_cpus=0, resources={f"specray_{kind}": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            placed = {**base, "draft_resources": {"specray_draft": 1}, "target_resources": {"specray_target": 1}}
+            for name, extra in (("multi-node", {}), ("multi compiled", {"compiled_graph": True})):
+                if name in layouts:
+                    for b in sizes:
+                        results[f"{name} b{b}"] = measure({**placed, **extra}, prompts, args.tokens, args.repeats, b)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    print(f"{'layout':18} " + " ".join(f"{c[:-2]:>16}" for c in COLS) + f" {'tok/step':>9}   (ms per step)")
     for name, r in results.items():
-        print(f"{name:14} " + " ".join(f"{r[c]:16.3f}" for c in cols) + f" {r['tokens_per_step']:9.2f}")
+        print(f"{name:18} " + " ".join(f"{r[c]:16.3f}" for c in COLS) + f" {r['tokens_per_step']:9.2f}")
     print(json.dumps(results))
 
 

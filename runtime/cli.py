@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -57,7 +58,11 @@ def cmd_bench(args) -> int:
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
-                      prompt_set=args.prompts, executor=args.executor, overlap=args.overlap)
+                      prompt_set=args.prompts, executor=args.executor, overlap=args.overlap,
+                      layouts=tuple(x.strip() for x in args.layouts.split(",") if x.strip()))
+    bad = [x for x in s.layouts if x not in ("actors", "colocated")]
+    if bad or (args.colocate and s.layouts):
+        raise ValueError(f"--layouts takes actors and colocated (not with --colocate), got {args.layouts!r}")
     s.policies = ("static", "adaptive") if args.policy == "both" else (args.policy,)
     for spec in args.adaptive_variant:
         name, _, options = spec.partition("=")
@@ -99,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
     add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "colocate",
                             "compiled_graph", "executor"))
+    b.add_argument("--layouts", default="",
+                   help="comma-separated layouts (actors, colocated), side by side: every configuration runs in "
+                        "the first, the draft in the others too (with colocated, also co-located on every core); "
+                        "JSON: \"layout\" and \"torch_threads\" on each run (default: actors, or colocated with "
+                        "--colocate)")
     b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
@@ -133,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The runtime's own lines (which layout it chose and why) reach the terminal.
+    log = logging.getLogger("specray")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[specray] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         return args.func(args)
     except ValueError as e:

@@ -14,6 +14,7 @@ a draft and are left out.
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -51,7 +52,10 @@ def gpu_shares(s: BenchSettings, spec_configs: list[tuple[str, str, int | None]]
 
     if resolve_device(s.device).type != "cuda":
         return {}
-    holders = len(spec_configs) if s.colocate else sum(1 + (p == "draft") for p, *_ in spec_configs)
+    # A co-located runtime's one process holds the GPU; an actor-layout one's driver
+    # (hosting the target) and each draft actor do.
+    holders = sum(1 + (p.startswith("draft") and not run_layout(s, pol)[0].startswith("colocated"))
+                  for p, pol, _ in spec_configs)
     share = {"GPU": math.floor(100 / holders) / 100}
     return {"target_resources": dict(share), "draft_resources": dict(share)}
 
@@ -92,14 +96,36 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     """The RuntimeConfig of the bench's (proposer, policy, k) runtime (k None: the bench's)."""
     from specray.runtime.config import RuntimeConfig
 
+    layout, threads = run_layout(s, policy)
+    policy = policy.partition("@")[0]
     policy, _, plus = policy.partition("+")
     policy, _, variant = policy.partition(":")
     return RuntimeConfig(
         target=s.target, draft=s.draft if proposer in ("draft", "draft+suffix") else None, proposer=proposer,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
         block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
-        policy_options=dict(s.variants[variant]) if variant else {}, colocate=s.colocate,
-        compiled_graph=s.compiled_graph, overlap=plus == "overlap", **resources)
+        policy_options=dict(s.variants[variant]) if variant else {}, layout=layout.removesuffix("-all-cores"),
+        torch_threads=threads if threads > 1 else 0, compiled_graph=s.compiled_graph, overlap=plus == "overlap",
+        **resources)
+
+
+ALL_CORES = "colocated-all-cores"
+
+
+def layouts(s: BenchSettings) -> list[str]:
+    """Every layout the bench runs: the first runs every configuration, the others the
+    first draft policy (with co-located among several, also co-located on every core)."""
+    out = list(s.layouts) or ["colocated" if s.colocate else "actors"]
+    if len(out) > 1 and "colocated" in out and ALL_CORES not in out and (os.cpu_count() or 1) > 1:
+        out.append(ALL_CORES)
+    return out
+
+
+def run_layout(s: BenchSettings, policy: str) -> tuple[str, int]:
+    """The layout of a specray run's ``policy`` ("static@colocated": that layout; no
+    suffix: the bench's first) and its processes' torch threads."""
+    layout = policy.partition("@")[2] or layouts(s)[0]
+    return layout, (os.cpu_count() or 1) if layout == ALL_CORES else 1
 
 
 def batch_prompts(num_prompts: int, batch_size: int, rep: int, rotate: bool) -> list[int]:
@@ -151,8 +177,11 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     spec_configs += [(p, f"adaptive:{name}", None) for p in proposers for name in s.variants]
     if "static" not in s.policies:
         spec_configs.append(("ngram", "static", None))     # the batch-1 prompt-lookup ratios read it
-    if s.draft and s.overlap and not s.colocate and not s.compiled_graph:
+    if s.draft and s.overlap and not layouts(s)[0].startswith("colocated") and not s.compiled_graph:
         spec_configs += [("draft", f"{pol}+overlap", None) for pol in s.policies]
+    if s.draft:
+        # The first draft policy in every other layout, side by side with the first layout's.
+        spec_configs += [("draft", f"{s.policies[0]}@{lay}", None) for lay in layouts(s)[1:]]
     # Suffix decoding, alone and beside the draft, with static proposal lengths.
     spec_configs += [("suffix", "static", None)] + ([("draft+suffix", "static", None)] if s.draft else [])
     spec_configs.append(("none", "static", None))
@@ -177,7 +206,9 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         plan += [("specray", p, 1, "sampled", "static", None) for p in ("suffix", "ngram", "none")]
     runs = {key: Run(*key) for key in plan}
     for run in runs.values():
-        run.overlap = run.policy.endswith("+overlap")
+        run.overlap = run.policy.partition("@")[0].endswith("+overlap")
+        if run.system == "specray":
+            run.layout, run.torch_threads = run_layout(s, run.policy)
     check = OutputCheck()
     phase = {"draft_s": [], "verify_none_s": []}
     order_seed = s.order_seed if s.order_seed is not None else random.SystemRandom().getrandbits(32)
@@ -261,7 +292,8 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "efficiency": speedup / bound if s.draft else None, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
         "rotate_prompts": s.rotate_prompts, "order_seed": order_seed, "static_ks": sorted(set(s.static_ks) - {s.k}),
-        "colocate": s.colocate, "compiled_graph": s.compiled_graph, "torch_threads": torch.get_num_threads(),
+        "colocate": s.colocate, "layouts": layouts(s), "compiled_graph": s.compiled_graph,
+        "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "prompt_set": s.prompt_set,
         "runs": [public(r) for r in runs.values()],

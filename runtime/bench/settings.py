@@ -28,6 +28,11 @@ class BenchSettings:
     progress: bool = True
     policies: tuple[str, ...] = ("static",)   # speculation policies of the specray draft and n-gram runs
     colocate: bool = False                    # specray's workers inside the driver's process
+    # Layouts the draft runs in (RuntimeConfig.layout); every configuration runs in the
+    # first, the first draft policy in the others too, side by side. Empty: "colocated"
+    # with ``colocate``, else "actors". "colocated" among several also brings
+    # "colocated-all-cores": co-located with every core given to its one process.
+    layouts: tuple[str, ...] = ()
     compiled_graph: bool = False              # driver <-> worker steps over compiled graph channels
     # Each repeat's batch of b takes the next b held-out prompts, so batch 1 meets a new
     # text every repeat (see ``batch_prompts``).
@@ -83,6 +88,8 @@ class Run:
     predraft_used: int = 0
     predraft_dropped: int = 0
     draft_hidden_s: float = 0.0
+    layout: str | None = None          # specray runs: RuntimeConfig.layout (or colocated-all-cores)
+    torch_threads: int = 1             # torch threads of each process computing the run
 
     @property
     def key(self) -> tuple:

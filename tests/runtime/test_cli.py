@@ -70,6 +70,8 @@ def test_bench_quick_json_has_every_field(tmp_path):
             assert key in r
         assert r["tokens_per_s"] > 0
         assert r["overlap"] is False        # co-located: no overlap runs
+        if r["system"] == "specray":
+            assert r["layout"] == "colocated" and r["torch_threads"] == 1
     draft1 = next(r for r in result["runs"] if r["proposer"] == "draft" and r["batch_size"] == 1
                   and r["mode"] == "greedy")
     assert result["alpha"] == pytest.approx(draft1["acceptance_rate"])
@@ -263,6 +265,30 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
     while time.time() < deadline and specray_actors_and_groups(dashboard) != ([], []):
         time.sleep(0.5)
     assert specray_actors_and_groups(dashboard) == ([], [])
+
+
+def test_bench_layouts_run_side_by_side():
+    """--layouts actors,colocated: every configuration in the first layout, the first draft
+    policy also co-located, on one thread a process and on every core."""
+    import os
+
+    from specray.runtime.bench.run import layouts, run_layout, runtime_config
+    from specray.runtime.cli import build_parser
+
+    s = BenchSettings(target="t", draft="d", layouts=("actors", "colocated"))
+    cores = os.cpu_count()
+    assert layouts(s) == ["actors", "colocated"] + (["colocated-all-cores"] if cores > 1 else [])
+    assert run_layout(s, "static") == ("actors", 1)
+    assert run_layout(s, "static+overlap") == ("actors", 1)
+    assert run_layout(s, "static@colocated-all-cores") == ("colocated-all-cores", cores)
+    cfg = runtime_config(s, "draft", "static@colocated-all-cores", None)
+    assert cfg.cluster.layout == "colocated" and cfg.model.torch_threads == (cores if cores > 1 else 0)
+    assert runtime_config(s, "draft", "static+overlap", None).speculation.overlap
+    assert runtime_config(s, "draft", "static", None).cluster.layout == "actors"
+    assert layouts(BenchSettings(target="t", draft="d")) == ["actors"]
+    assert layouts(BenchSettings(target="t", draft="d", colocate=True)) == ["colocated"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--layouts"])
 
 
 def test_bench_runtimes_share_one_gpu(monkeypatch):
