@@ -15,7 +15,8 @@ Ratios: specray with no proposer over Hugging Face `generate` per batch size; th
 (first policy) over Hugging Face assisted generation at batch 1; and, with both draft
 policies, adaptive, static k and plain decoding each over the better *mode* of the run
 (static k or plain, chosen as the bench chooses its "best other": ``best_config``), and
-adaptive over each mode. A configuration held to the better mode scores below 1 even
+adaptive over each mode; with `--layouts`, the first layout's draft over the same in each
+other layout. A configuration held to the better mode scores below 1 even
 where it *is* one of two even modes (the better of two noisy estimates is biased up):
 static's and plain decoding's own figures show by how much. Per proposer, adaptive over
 static k and over each adaptive variant (the variant's mechanism's gain); suffix decoding
@@ -64,6 +65,11 @@ def run_ratios(result: dict) -> dict[str, float]:
                 put(f"b{b} {p} / better mode", mode[p], mode[better])
             put(f"b{b} adaptive / static", mode["adaptive"], mode["static"])
             put(f"b{b} adaptive / none", mode["adaptive"], mode["none"])
+    # The first layout's draft (static k) over the same in each other layout (--layouts).
+    for b in batches:
+        first = runs.get(("specray", "draft", b, "greedy", "static"))
+        for lay in ("actors", "colocated", "colocated-all-cores"):
+            put(f"b{b} draft / draft@{lay}", first, runs.get(("specray", "draft", b, "greedy", f"static@{lay}")))
     # Suffix decoding against plain decoding, prompt lookup and the draft alone (static k).
     for b in batches:
         static = {p: runs.get(("specray", p, b, "greedy", "static")) for p in ("suffix", "draft+suffix", "ngram",
