@@ -22,11 +22,13 @@ def cluster():
         ray.shutdown()   # this module needs its own cluster; the next ray_session user restarts the local one
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024 * 1024})
     nodes = {"draft": [], "target": []}
-    for kind, amount in (("draft", 1), ("draft", 1), ("target", 2)):
+    # One target worker a target node: the driver's actor hosts the first (actor layout).
+    for kind, amount in (("draft", 1), ("draft", 1), ("target", 1)):
         node = c.add_node(num_cpus=0, resources={f"specray_{kind}": amount}, object_store_memory=80 * 1024 * 1024)
         nodes[kind].append(node.node_id)
     c.wait_for_nodes()
     CLUSTER_REF["cluster"] = c
+    CLUSTER_REF["target_nodes"] = nodes["target"]
     ray.init(address=c.address, log_to_driver=False)
     yield nodes
     ray.shutdown()
@@ -47,6 +49,8 @@ def generate(cfg: RuntimeConfig):
     rt = SpecRuntime(cfg)
     try:
         outs = rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))
+        driver = placement("Driver")
+        assert len(driver) == 1 and driver[0] in CLUSTER_REF["target_nodes"]   # ... on a target node
         return outs, rt.metrics(), placement("DraftActor"), placement("TargetActor")
     finally:
         rt.shutdown()
@@ -62,7 +66,8 @@ def test_two_draft_nodes_and_a_target_node(cluster, llama_pair):
     t, d = llama_pair
     outs, m, drafts, targets = generate(config(t, d, num_draft_workers=2))
     assert sorted(drafts) == sorted(cluster["draft"])          # one per draft node
-    assert targets == cluster["target"]
+    assert targets == []                                       # the target lives in the driver's actor ...
+    assert m["layout"] == "actors" and m["num_group_steps"] > 0
     expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
     assert [o.token_ids for o in outs] == expected
     assert m["num_draft_workers"] == 2 and m["num_draft_tokens"] > 0
@@ -95,25 +100,28 @@ def run_and_remove_node_midway(rt: SpecRuntime, node) -> tuple[list, list[int]]:
 
 
 def test_losing_a_target_node_mid_run_changes_no_output(cluster, llama_pair):
-    """Two target workers on two nodes (STRICT_SPREAD); the node of one goes away with
-    sequences on it. They are requeued with their tokens and finish on the other one: the
-    lost worker's bundle has nowhere else to go under STRICT_SPREAD, so it stays down."""
+    """Two target workers on two nodes: the driver's actor hosting the first, an actor the
+    second; the second's node goes away with sequences on it. They are requeued with their
+    tokens and finish on the first: the lost worker has nowhere else to go (each target
+    node offers one), so it stays down."""
     t, d = llama_pair
     c = CLUSTER_REF["cluster"]
     extra = c.add_node(num_cpus=0, resources={"specray_target": 1}, object_store_memory=80 * 1024 * 1024)
     c.wait_for_nodes()
+    CLUSTER_REF["target_nodes"] = cluster["target"] + [extra.node_id]
     rt = SpecRuntime(config(t, d, num_draft_workers=2, num_target_workers=2, max_worker_restarts=1,
                             placement_strategy="STRICT_SPREAD"))
     try:
-        assert sorted(placement("TargetActor")) == sorted(cluster["target"] + [extra.node_id])
-        # The driver stays on this process's node, never on a worker node that can go away.
-        assert placement("Driver") == [ray.get_runtime_context().get_node_id()]
+        (target_node,) = placement("TargetActor")
+        (driver_node,) = placement("Driver")
+        assert sorted([target_node, driver_node]) == sorted(cluster["target"] + [extra.node_id])
+        victim = next(n for n in c.worker_nodes if n.node_id == target_node)
         # Before the loss: two data-parallel targets on two nodes give the plain greedy output.
         warm = rt.generate(prompts(), SamplingParams(max_tokens=20, temperature=0.0))
         expected = [e[:MAX_LEN - len(p)] for p, e in zip(prompts(), hf_greedy(t, prompts(), 20))]
         assert [o.token_ids for o in warm] == expected
         assert rt.metrics()["num_target_workers"] == 2
-        outs, streamed = run_and_remove_node_midway(rt, extra)
+        outs, streamed = run_and_remove_node_midway(rt, victim)
         assert [o.token_ids for o in outs] == expected
         assert streamed == hf_greedy(t, [prompts()[0]], 40)[0]
         m = rt.metrics()
