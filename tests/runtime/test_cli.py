@@ -285,6 +285,9 @@ def test_bench_layouts_run_side_by_side():
     assert cfg.cluster.layout == "colocated" and cfg.model.torch_threads == (cores if cores > 1 else 0)
     assert runtime_config(s, "draft", "static+overlap", None).speculation.overlap
     assert runtime_config(s, "draft", "static", None).cluster.layout == "actors"
+    compiled = BenchSettings(target="t", draft="d", layouts=("actors", "colocated"), compiled_graph=True)
+    assert runtime_config(compiled, "draft", "static", None).cluster.compiled_graph
+    assert not runtime_config(compiled, "draft", "static@colocated", None).cluster.compiled_graph
     assert layouts(BenchSettings(target="t", draft="d")) == ["actors"]
     assert layouts(BenchSettings(target="t", draft="d", colocate=True)) == ["colocated"]
     with pytest.raises(SystemExit):
