@@ -10,7 +10,9 @@ number of blocks each. Workers go into one placement group, one
 bundle each, with the configured strategy (SPREAD by default: workers of one kind land on
 distinct nodes when the cluster has them; PACK co-locates; STRICT_SPREAD insists).
 Bundles must ask for something, so with no resources configured the actors are spread
-by Ray's SPREAD scheduling instead.
+by Ray's SPREAD scheduling instead. In the actor layout (backend "hosted") the first target
+worker is not an actor: it loads in this process, the driver's actor, which asked Ray for
+the target's resources itself.
 """
 
 from __future__ import annotations
