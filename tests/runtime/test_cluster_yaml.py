@@ -278,8 +278,11 @@ def test_autoscaler_launches_target_and_draft_nodes_for_the_workers(llama_pair):
         placed = {}
         for a in got["actors"]:
             placed.setdefault(a["class_name"], []).append(a["node_id"])
-        assert len(placed.get("TargetActor", [])) == 1 and len(placed.get("DraftActor", [])) == 1, got["actors"]
-        assert kinds[placed["TargetActor"][0]] == ["target"]
+        # The actor layout: the driver's actor hosts the target worker and asks for its
+        # resources, so the autoscaler launched a target node for it.
+        assert "TargetActor" not in placed, got["actors"]
+        assert len(placed.get("Driver", [])) == 1 and len(placed.get("DraftActor", [])) == 1, got["actors"]
+        assert kinds[placed["Driver"][0]] == ["target"]
         assert kinds[placed["DraftActor"][0]] == ["draft"]
         ok = True
     finally:
