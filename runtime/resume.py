@@ -196,6 +196,8 @@ class InFlight:
                 return False
             if delta:
                 t.add_delta(news)
+                if news.finished:        # delivered whole: nothing left to resume
+                    del self.requests[request_id]
             else:
                 t.add_progress(news)
             return True
