@@ -345,3 +345,42 @@ def test_add_parser_registers_the_subcommand():
     assert (args.temperature, args.stop_token_ids, args.on_error) == (0.7, [3, 5], "fail")
     assert args.num_speculative_tokens == 2
     assert (args.max_tokens, args.chunk_size, args.target) == (128, 64, None)
+
+
+def test_a_batch_job_killed_and_run_again_resumes_from_its_checkpoint(llama_pair, tmp_path, ray_session, capsys):
+    """SIGKILL of the `specray batch` process (its driver goes with it) once some chunks
+    are done; the same command again generates only the rest, and the output equals an
+    uninterrupted run's: nothing missing, nothing twice, written whole."""
+    import signal
+
+    import ray
+
+    t, d = llama_pair
+    lines = [json.dumps({"prompt": [1 + i, 2 + i, 3], "max_tokens": 40, "ignore_eos": True,
+                         **({"temperature": 0.9, "seed": i} if i % 2 else {})}) for i in range(16)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", str(inp), "--chunk-size", "2",
+             "--chunks-in-flight", "1"]
+    ref = tmp_path / "ref.jsonl"
+    assert batch_main(flags + ["--output", str(ref)]) == 0
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / ".out.jsonl.specray-partial"
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.batch", *flags, "--output", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if partial.exists() and len(partial.read_text().splitlines()) >= 3:     # the header and a chunk
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
+    assert not out.exists()
+    done_before = len(partial.read_text().splitlines()) - 1
+    assert 2 <= done_before < 16
+    capsys.readouterr()
+    assert batch_main(flags + ["--output", str(out)]) == 0
+    assert f"resuming: {done_before} line(s) done" in capsys.readouterr().err
+    assert out.read_text() == ref.read_text()
+    assert not partial.exists()
