@@ -114,7 +114,9 @@ def same(a, b) -> None:
 
 @pytest.fixture(scope="module")
 def rt(ray_module):
-    runtime = SpecRuntime(config(max_driver_restarts=8))
+    # Resources ask for a placement group: the test sees it go with each dead driver.
+    runtime = SpecRuntime(config(max_driver_restarts=8, target_resources={"CPU": 0.1},
+                                 draft_resources={"CPU": 0.1}))
     yield runtime
     runtime.shutdown()
 
@@ -157,4 +159,44 @@ def test_a_worker_and_the_driver_killed_then_the_driver_again_while_it_recovers(
     same_stream(stream, ref_stream)
     assert rt.metrics()["num_driver_restarts"] == before + 2
     # The dead drivers' workers and placement groups went with them: one set is left.
-    assert len(alive("TargetActor")) == 1 and len(alive("DraftActor")) == 1
+    assert len(alive("TargetActor")) == 1 and len(alive("DraftActor")) == 1 and live_groups() == 1
+
+
+CLIENT = """
+import json, sys
+from specray import SamplingParams, SpecRuntime
+rt = SpecRuntime.connect(name="specray-failover", ray_address=sys.argv[1], restart_timeout_s=120)
+toks, text = [], ""
+for d in rt.stream("def fibonacci(n):", SamplingParams(**json.loads(sys.argv[2]))):
+    toks += d.token_ids
+    text += d.text
+    if len(toks) >= 6 and not text.endswith("#"):
+        print("go", flush=True)
+        text += "#"
+print(json.dumps([toks, text[:-1]]), flush=True)
+"""
+
+
+def test_a_client_in_another_process_rides_through_a_restart(rt, reference):
+    """``SpecRuntime.connect`` from another process: its stream waits out the restart and
+    ends with the tokens of the uninterrupted run."""
+    _, ref_stream = reference
+    params = {k: getattr(STREAMED, k) for k in ("max_tokens", "temperature", "seed", "stop")}
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, ray.get_runtime_context().gcs_address,
+                             __import__("json").dumps(params)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "go"
+    kill_driver(rt)
+    toks, text = __import__("json").loads(proc.stdout.readline())
+    assert proc.wait(timeout=120) == 0
+    assert (toks, text) == joined(ref_stream)[:2]
+
+
+def test_shutdown_after_restarts_leaves_nothing_running(rt):
+    assert rt.metrics()["num_driver_restarts"] >= 3
+    rt.shutdown()
+    deadline = time.monotonic() + 30
+    while (alive("Driver") or alive("TargetActor") or alive("DraftActor") or live_groups()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive("Driver") and not alive("TargetActor") and not alive("DraftActor")
+    assert live_groups() == 0
