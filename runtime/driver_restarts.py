@@ -3,14 +3,22 @@ out, and the log ``metrics()`` reads (``num_driver_restarts``, ``driver_recovery
 
 Ray restarts the driver actor (``max_restarts=ClusterConfig.max_driver_restarts``) when
 its process dies: SIGKILL, the OOM killer, a lost node. Its constructor runs again with
-the same configuration. What died with the old process, checked on Ray 2.60: every actor
-it created (the worker actors fate-share with their owner) and its placement group (Ray
-removes a placement group with the actor that created it, detached or not). So the new
-driver starts new workers in a new placement group, and nothing is left behind. Calls
-in flight when it died fail with ``ActorUnavailableError`` (or ``RayActorError``); calls
-made while it restarts wait for the new constructor to finish; a named actor keeps its
-name, so ``ray.get_actor`` finds it again; once ``max_restarts`` is spent calls fail with
-``ActorDiedError``.
+the same configuration. What happens, checked on Ray 2.60:
+
+- every actor the old process created (the workers) dies with it: they fate-share with
+  their owner. The new driver starts new workers.
+- its placement group is removed with it only where the driver is detached; one made by
+  an actor that is not detached lives as long as the job (the client process that created
+  the driver), so it would hold the dead driver's resources (its GPUs) while the new driver
+  asks for the same again. The workers' placement group is therefore named after the
+  driver actor (``worker_group_name``), and a restarted driver removes the groups of that
+  name its predecessors left (``remove_stale_groups``) before it starts its own.
+- calls in flight when it died fail (``ActorUnavailableError`` in the process that created
+  it, ``ActorDiedError`` in others); calls made while it restarts wait for the new
+  constructor in the creator's process, and may fail at once in others: whether it is
+  dead for good is asked of the GCS actor table (``died_for_good``), never guessed from
+  the error. A named actor keeps its name, so ``ray.get_actor`` finds it again; once
+  ``max_restarts`` is spent its state is DEAD.
 
 The log lives in Ray's GCS key-value store (``internal_kv``), under the actor's id: the
 one store that outlives the actor's process. It survives what the GCS survives (not a
@@ -38,13 +46,19 @@ def actor_errors() -> tuple[type, ...]:
                  if hasattr(rex, n))
 
 
-def died_for_good(e: BaseException) -> bool:
-    """A call made after the death failed: Ray will not restart the actor again (a fresh
-    call to a restarting actor waits instead)."""
-    from ray import exceptions as rex
+def died_for_good(driver, e: BaseException) -> bool:
+    """The driver actor is dead and Ray will not restart it again. Asked of the GCS's actor
+    table: the error alone does not tell (a process that did not create the actor sees
+    ``ActorDiedError`` for calls made while it restarts, too)."""
+    try:
+        from ray._private.state import actors
 
-    return isinstance(e, getattr(rex, "ActorDiedError", ())) and not isinstance(
-        e, getattr(rex, "ActorUnavailableError", ()))
+        return actors(driver._actor_id.hex())["State"] == "DEAD"
+    except Exception:  # noqa: BLE001 - no table to ask: the error's kind is the best guess
+        from ray import exceptions as rex
+
+        return isinstance(e, getattr(rex, "ActorDiedError", ())) and not isinstance(
+            e, getattr(rex, "ActorUnavailableError", ()))
 
 
 def wait_for_driver(driver, deadline: float, why: str) -> None:
@@ -61,14 +75,41 @@ def wait_for_driver(driver, deadline: float, why: str) -> None:
         try:
             info = ray.get(driver.info.remote(), timeout=min(left, 30.0))
         except errors as e:
-            if died_for_good(e):
+            if died_for_good(driver, e):
                 raise DriverGone(f"the specray driver died and Ray will not restart it again ({why}; then "
                                  f"{type(e).__name__}); its requests are lost") from None
-            time.sleep(0.1)
+            time.sleep(0.2)
             continue
         if isinstance(info, str):
             raise DriverGone(f"the restarted specray driver refused its configuration: {info}")
         return
+
+
+def worker_group_name() -> str:
+    """The name of the workers' placement group: the driver actor's id, where this runs in
+    one (the empty name, Ray's default, elsewhere)."""
+    try:
+        import ray
+
+        actor = ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001 - not inside Ray: no name
+        return ""
+    return f"specray-workers-{actor}" if actor else ""
+
+
+def remove_stale_groups() -> int:
+    """Remove the placement groups earlier incarnations of this driver actor left; returns
+    how many. Called by a restarted driver before it starts its workers."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    name = worker_group_name()
+    if not name:
+        return 0
+    stale = [gid for gid, g in placement_group_table().items() if g["name"] == name and g["state"] != "REMOVED"]
+    for gid in stale:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(gid))))
+    return len(stale)
 
 
 class RestartLog:
@@ -94,6 +135,7 @@ class RestartLog:
             return
         self.key = f"specray/driver_restarts/{actor}".encode()
         if reconstructed:
+            self._safe(remove_stale_groups)
             self.entries = (self._safe(self._read) or []) + [{"at": time.time(), "ready_s": None,
                                                                "first_token_s": None}]
             self._first_token_seen = False

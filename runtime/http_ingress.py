@@ -139,7 +139,7 @@ class DeltaPump:
                 reply = await self.driver.submit.remote(prompts, params, resumes)
             except errors as e:
                 why = type(e).__name__
-                if died_for_good(e) or time.monotonic() >= deadline:
+                if died_for_good(self.driver, e) or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(RETRY_S)
                 continue

@@ -384,3 +384,29 @@ def test_a_batch_job_killed_and_run_again_resumes_from_its_checkpoint(llama_pair
     assert f"resuming: {done_before} line(s) done" in capsys.readouterr().err
     assert out.read_text() == ref.read_text()
     assert not partial.exists()
+
+
+def test_a_checkpoint_keeps_whole_records_of_the_same_input_only(tmp_path):
+    from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path
+
+    out = tmp_path / "out.jsonl"
+    path = checkpoint_path(Location(str(out), None, str(out)))
+    assert path == str(tmp_path / ".out.jsonl.specray-partial")
+    assert checkpoint_path(None) is None
+    items = [Item(i, [i], SamplingParams(max_tokens=3)) for i in (1, 2, 3)]
+    first = Checkpoint(path, items)
+    first.add([{"line": 1, "token_ids": [5]}, {"line": 2, "token_ids": [6]}])
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"line": 3, "tok')                 # the record a kill cut off
+    again = Checkpoint(path, items)
+    assert sorted(again.records) == [1, 2]          # line 3 runs again
+    again.add([{"line": 3, "token_ids": [7]}])
+    again.close()
+    assert sorted(Checkpoint(path, items).records) == [1, 2, 3]
+    # Another input (a changed line) is another job: its checkpoint starts empty.
+    other = [Item(i, [i], SamplingParams(max_tokens=4)) for i in (1, 2, 3)]
+    fresh = Checkpoint(path, other)
+    assert fresh.records == {}
+    fresh.close()                                   # nothing recorded: nothing left behind
+    assert not os.path.exists(path)
