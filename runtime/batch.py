@@ -223,10 +223,12 @@ class _Refused(Exception):
 
 
 def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str], None], chunk_size: int,
-                 in_flight: int, progress: bool) -> tuple[int, int]:
+                 in_flight: int, progress: bool, checkpoint=None) -> tuple[int, int]:
     """Run ``items`` in chunks, ``in_flight`` generate calls at a time (so the driver's batch
     stays full while a chunk waits for its longest request), and write the outputs in input
-    order. Returns (requests done, tokens generated)."""
+    order. ``checkpoint`` (``batch_checkpoint.Checkpoint``): each chunk's records go to it
+    as the chunk finishes; its earlier records are written in their places among the new
+    ones. Returns (requests done, tokens generated)."""
     from tqdm import tqdm
 
     chunks = iter([items[i:i + chunk_size] for i in range(0, len(items), chunk_size)])
@@ -235,6 +237,15 @@ def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str]
     pool = ThreadPoolExecutor(in_flight, thread_name_prefix="specray-batch")
     running: deque = deque()
     done = tokens = 0
+    earlier = deque(sorted(checkpoint.records.items())) if checkpoint is not None else deque()
+
+    def write_earlier(before: float) -> None:
+        nonlocal done, tokens
+        while earlier and earlier[0][0] < before:
+            rec = earlier.popleft()[1]
+            out.write(rec)
+            done += 1
+            tokens += len(rec["token_ids"])
     try:
         for chunk in chunks:
             running.append((chunk, pool.submit(generate_chunk, rt, chunk, reject)))
@@ -242,15 +253,20 @@ def generate_all(rt, items: list[Item], out: Output, reject: Callable[[int, str]
                 break
         while running:
             chunk, future = running.popleft()
-            for item, o in future.result():
-                out.write(output_record(item, o))
+            records = [(item, output_record(item, o)) for item, o in future.result()]
+            if checkpoint is not None:
+                checkpoint.add([rec for _, rec in records])
+            for item, rec in records:
+                write_earlier(item.line)
+                out.write(rec)
                 done += 1
-                tokens += len(o.token_ids)
+                tokens += len(rec["token_ids"])
             nxt = next(chunks, None)
             if nxt is not None:
                 running.append((nxt, pool.submit(generate_chunk, rt, nxt, reject)))
             bar.update(len(chunk))
             bar.set_postfix(tokens=tokens, refresh=False)
+        write_earlier(float("inf"))
     finally:
         bar.close()
         pool.shutdown(wait=False, cancel_futures=True)   # calls still running end with the runtime
@@ -291,6 +307,14 @@ def run(args) -> int:
         raise ValueError(f"cannot write --output {args.output}: {e.strerror or e}") from None
     for line, reason in errors:
         reject(line, reason)
+    from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path
+
+    ckpt_at = checkpoint_path(out.location)
+    checkpoint = Checkpoint(ckpt_at, items) if ckpt_at is not None and items else None
+    if checkpoint is not None and checkpoint.records:
+        print(f"specray batch: resuming: {len(checkpoint.records)} line(s) done by an earlier run "
+              f"({ckpt_at})", file=sys.stderr)
+        items = [it for it in items if it.line not in checkpoint.records]
     rt = None
     t0 = time.perf_counter()
     try:
@@ -306,14 +330,18 @@ def run(args) -> int:
                 return 2
         try:
             done, tokens = generate_all(rt, items, out, refuse if fail else reject, args.chunk_size,
-                                        args.chunks_in_flight, not args.no_progress)
+                                        args.chunks_in_flight, not args.no_progress, checkpoint)
         except _Refused:                            # a tokenized string prompt was too long
             print("specray batch: a malformed line; output not written (--on-error fail)", file=sys.stderr)
             return 2
         wall = time.perf_counter() - t1
         m = rt.metrics() if rt is not None else {}
         out.commit()
+        if checkpoint is not None:
+            checkpoint.remove()
     finally:
+        if checkpoint is not None:
+            checkpoint.close()
         out.discard()
         if rt is not None:
             rt.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections import deque
@@ -14,8 +15,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import ClusterConfig, RuntimeConfig
 from specray.runtime.driver import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
+from specray.runtime.driver_restarts import DriverGone, actor_errors, wait_for_driver
 from specray.runtime import layout, ray_env
 from specray.runtime.request_output import RequestOutput
+from specray.runtime.resume import InFlight, WaitReply
 from specray.scheduler.sampling_params import SamplingParams
 
 _POLL_S = 1.0
@@ -47,9 +50,12 @@ class SpecRuntime:
             opts.update(name=cluster.name, namespace=cluster.namespace)
         if cluster.detached:
             opts["lifetime"] = "detached"
+        # Ray restarts a dead driver; this handle resumes its requests on the new one.
+        opts.update(max_restarts=cluster.max_driver_restarts, max_task_retries=0)
         self._driver = RemoteDriver.options(**opts).remote(config, backend, True)
         self._attached = False
         self._closed = False
+        self._track(cluster.driver_restart_timeout_s)
         try:
             info = ray.get(self._driver.info.remote())
         except Exception as e:
@@ -62,6 +68,12 @@ class SpecRuntime:
             raise ValueError(info)
         self._info: DriverInfo = info
 
+    def _track(self, restart_timeout_s: float) -> None:
+        self._inflight = InFlight()
+        self._recovering = threading.Lock()
+        self._restart_timeout_s = restart_timeout_s
+        self._lost = actor_errors()
+
     def _abandon_start(self) -> None:
         """Release what a failed start took (its workers go with the driver actor)."""
         ray.kill(self._driver)
@@ -71,7 +83,8 @@ class SpecRuntime:
 
     @classmethod
     def connect(cls, name: str = "specray", namespace: str = "specray", ray_address: str | None = None,
-                timeout_s: float | None = None, *, address: str | None = None) -> "SpecRuntime":
+                timeout_s: float | None = None, *, address: str | None = None,
+                restart_timeout_s: float | None = None) -> "SpecRuntime":
         """Attach to a driver started elsewhere (``specray serve``). ``shutdown()`` on an
         attached handle detaches; the driver keeps serving.
 
@@ -79,7 +92,9 @@ class SpecRuntime:
         in this process, no ``RAY_ADDRESS``) it is "auto": the one cluster running on this
         machine. A cluster that does not answer within ``timeout_s`` (default:
         ``RuntimeConfig.ray_connect_timeout_s``'s) is a ValueError.
-        ``address`` is the old name of ``ray_address``."""
+        ``address`` is the old name of ``ray_address``. ``restart_timeout_s`` (default:
+        ``RuntimeConfig.driver_restart_timeout_s``'s): how long a call waits for a driver that
+        died to serve again, its requests resumed, before it raises ``DriverGone``."""
         if address is not None:
             if ray_address is not None and ray_address != address:
                 raise ValueError("give ray_address only (address is its old name)")
@@ -101,7 +116,8 @@ class SpecRuntime:
         self._owns_ray = owns
         self._attached = True
         self._driver = driver
-        self._info = ray.get(driver.info.remote())
+        self._track(ClusterConfig().driver_restart_timeout_s if restart_timeout_s is None else restart_timeout_s)
+        self._info = self._call("info")
         self._closed = False
         return self
 
@@ -123,13 +139,82 @@ class SpecRuntime:
                 raise ValueError(f"request {i}: params must be SamplingParams, got {type(p).__name__}")
         return plist
 
+    # -- riding out a driver restart ---------------------------------------------------
+    def _call(self, method: str, *args):
+        """A driver call that nothing is lost by repeating, repeated on the restarted
+        driver where the driver died under it."""
+        while True:
+            epoch = self._inflight.epoch
+            try:
+                return ray.get(getattr(self._driver, method).remote(*args))
+            except self._lost as e:
+                self._recover(epoch, type(e).__name__)
+
+    def _recover(self, epoch: int, why: str) -> None:
+        """The driver died (a call failed, or it no longer knows this handle's requests):
+        wait for Ray to restart it, then resubmit every request this handle holds, each
+        from the output received so far. Once per death, whichever thread gets here first
+        (``epoch``: the resubmissions the failed call had seen)."""
+        with self._recovering:
+            if self._inflight.epoch != epoch:
+                return                    # another thread resumed them since that call began
+            deadline = time.monotonic() + self._restart_timeout_s
+            while True:
+                wait_for_driver(self._driver, deadline, why)
+                tracked, prompts, plist, resumes = self._inflight.resubmissions()
+                reply = None
+                try:
+                    if tracked:
+                        # A driver that was only out of reach still runs them: stop those first.
+                        ray.get(self._driver.abort.remote([t.driver_id for t in tracked]))
+                        reply = ray.get(self._driver.submit.remote(prompts, plist, resumes))
+                except self._lost as e:
+                    why = f"{type(e).__name__} while resuming"     # killed again: wait again
+                    continue
+                if reply is not None and reply.error:
+                    raise DriverGone(f"the restarted specray driver refused to resume the requests: {reply.error}")
+                self._inflight.moved(tracked, reply.request_ids if reply else [])
+                return
+
     def _submit(self, prompts: list, plist: list[SamplingParams]) -> list[str]:
-        reply: SubmitReply = ray.get(self._driver.submit.remote(prompts, plist))
+        while True:
+            epoch = self._inflight.epoch
+            try:
+                reply: SubmitReply = ray.get(self._driver.submit.remote(prompts, plist))
+                break
+            except self._lost as e:
+                # What the dead driver accepted died with it: submitting again repeats nothing.
+                self._recover(epoch, type(e).__name__)
         if reply.overloaded:
             raise Overloaded(reply.error)
         if reply.error:
             raise ValueError(reply.error)
+        self._inflight.add(reply.request_ids, prompts, plist, reply.seeds)
         return reply.request_ids
+
+    def _wait(self, ids: list[str], timeout: float) -> list[RequestOutput] | None:
+        """One wait on these requests (the ids their caller knows): their outputs once all
+        have finished, else None. What the driver has computed so far is kept, in whole
+        steps, so that a restarted driver resumes them from there."""
+        epoch = self._inflight.epoch
+        cur = self._inflight.current(ids)
+        tracked = [self._inflight.get(r) for r in ids]
+        have = [len(t.token_ids) for t in tracked]
+        try:
+            reply: WaitReply = ray.get(self._driver.wait_progress.remote(cur, have, timeout))
+        except self._lost as e:
+            self._recover(epoch, type(e).__name__)
+            return None
+        if reply.unknown:
+            self._recover(epoch, f"the driver no longer holds request {reply.unknown[0]}: it restarted")
+            return None
+        if reply.outputs is not None:
+            self._inflight.forget(ids)
+            return [t.output(o) for t, o in zip(tracked, reply.outputs)]
+        by_id = dict(zip(cur, ids))
+        for p in reply.progress:
+            self._inflight.received(by_id[p.request_id], p.request_id, p, delta=False)
+        return None
 
     def generate(self, prompts: Seq, params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -182,7 +267,7 @@ class SpecRuntime:
                     outs = self._collect(ids)
                     bar.update(n)
                     return outs
-            error = ray.get(self._driver.check.remote(prompts, plist))
+            error = self._call("check", prompts, plist)
             if error:
                 raise ValueError(error)
             return self._feed(prompts, plist, max(1, room // 4), bar)
@@ -191,7 +276,7 @@ class SpecRuntime:
 
     def _collect(self, ids: list[str]) -> list[RequestOutput]:
         while True:
-            outs = ray.get(self._driver.wait.remote(ids, _POLL_S))
+            outs = self._wait(ids, _POLL_S)
             if outs is not None:
                 return outs
 
@@ -222,7 +307,7 @@ class SpecRuntime:
                     start, backoff = end, 0.05
                     continue
             first, ids = running[0]
-            done = ray.get(self._driver.wait.remote(ids, 0.1 if start < len(prompts) else _POLL_S))
+            done = self._wait(ids, 0.1 if start < len(prompts) else _POLL_S)
             if done is not None:
                 running.popleft()
                 outs[first:first + len(done)] = done
@@ -235,17 +320,44 @@ class SpecRuntime:
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         (rid,) = self._submit([prompt], self._params_list(1, params))
-        while True:
-            delta = ray.get(self._driver.poll.remote(rid, _POLL_S))
-            if delta is None:
-                continue
-            if delta.token_ids or delta.finished:
-                yield delta
-            if delta.finished:
-                return
+        finished, cur = False, rid
+        try:
+            while True:
+                epoch = self._inflight.epoch
+                (cur,) = self._inflight.current([rid])
+                try:
+                    reply = ray.get(self._driver.poll_many.remote([cur], _POLL_S))
+                except self._lost as e:
+                    self._recover(epoch, type(e).__name__)
+                    continue
+                if reply.unknown:
+                    self._recover(epoch, "the driver no longer holds the request: it restarted")
+                    continue
+                if reply.errors:
+                    raise RuntimeError(reply.errors[cur])
+                for delta in reply.deltas:
+                    if not self._inflight.received(rid, cur, delta, delta=True):
+                        continue       # sent again by the driver now serving it
+                    delta.request_id = rid
+                    finished = delta.finished
+                    if delta.token_ids or delta.finished:
+                        yield delta
+                    if finished:
+                        return
+        finally:
+            self._inflight.forget([rid])
+            if not finished:
+                self._abort_quietly(rid, cur)
+
+    def _abort_quietly(self, rid: str, cur: str) -> None:
+        """A stream its caller left (or that failed): the driver stops computing it."""
+        try:
+            self._driver.abort.remote([cur])
+        except Exception:  # noqa: BLE001 - a driver that is gone holds nothing to stop
+            pass
 
     def metrics(self) -> dict:
-        return ray.get(self._driver.metrics.remote())
+        return self._call("metrics")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -41,6 +41,10 @@ class ClusterConfig:
     target_resources: dict = field(default_factory=dict, metadata={
         "help": 'what each target worker asks Ray for, JSON, e.g. \'{"specray_target": 1}\''})
     max_worker_restarts: int = field(default=3, metadata={"help": "Ray restarts a dead worker this many times"})
+    max_driver_restarts: int = field(default=10, metadata={
+        "help": "Ray restarts a dead driver this many times (-1: always); its requests resume"})
+    driver_restart_timeout_s: float = field(default=300.0, metadata={
+        "help": "a client waits this long for a dead driver to serve again before failing its calls (s)"})
     target_down_timeout_s: float = field(default=120.0, metadata={
         "help": "requests fail once every target worker has been gone this long (s)"})
     layout: str = field(default="auto", metadata={
@@ -74,6 +78,8 @@ class ClusterConfig:
         check_int("num_draft_workers", self.num_draft_workers)
         check_int("num_target_workers", self.num_target_workers)
         check_int("max_worker_restarts", self.max_worker_restarts, 0)
+        check_int("max_driver_restarts", self.max_driver_restarts, -1)
+        check_number("driver_restart_timeout_s", self.driver_restart_timeout_s)
         check_number("target_down_timeout_s", self.target_down_timeout_s)
         check_number("placement_timeout_s", self.placement_timeout_s)
         check_number("ray_connect_timeout_s", self.ray_connect_timeout_s)
@@ -135,7 +141,9 @@ class RuntimeConfig:
         # ClusterConfig
         num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
-        layout: str = _UNSET, groups_in_flight: int = _UNSET, colocate: bool = _UNSET, compiled_graph: bool = _UNSET, placement_strategy: str = _UNSET,
+        max_driver_restarts: int = _UNSET, driver_restart_timeout_s: float = _UNSET,
+        layout: str = _UNSET, groups_in_flight: int = _UNSET, colocate: bool = _UNSET, compiled_graph: bool = _UNSET,
+        placement_strategy: str = _UNSET,
         placement_timeout_s: float = _UNSET, ray_address: str | None = _UNSET,
         ray_connect_timeout_s: float = _UNSET, name: str | None = _UNSET, namespace: str = _UNSET,
         detached: bool = _UNSET,

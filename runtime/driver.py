@@ -9,6 +9,7 @@ that exercise the whole path quickly without actors).
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -21,10 +22,12 @@ import ray
 
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver_restarts import RestartLog
 from specray.runtime.engine import Engine
 from specray.runtime.step_groups import GroupEngine, wants_groups
 from specray.runtime.policies import build_policy
 from specray.runtime.request_output import RequestOutput
+from specray.runtime.resume import Progress, Resume, WaitReply
 from specray.runtime.stop_strings import held_back, stop_cut
 from specray.runtime.worker_pool import start_workers
 from specray.scheduler.block_manager import BlockManager
@@ -64,6 +67,7 @@ class SubmitReply:
     request_ids: list[str]
     error: str | None = None
     overloaded: bool = False     # the requests were valid; the driver had no room for them
+    seeds: list[int] = field(default_factory=list)   # each request's seed: its own, else the one drawn for it
 
 
 @dataclass
@@ -86,6 +90,17 @@ class _Request:
     error: str | None = None
     stop_text_at: int | None = None    # where a matched stop string begins in the output text
     stop_checked: int = 0              # output tokens already searched for stop strings
+    # What clients see: the output of whole steps only (the loop appends a step's tokens
+    # without the lock, and a stop string may cut them after), so a client's output always
+    # ends where a step ended: where a resumed request continues exactly.
+    committed: int = 0                 # output tokens shown
+    closed: bool = False               # the finish shown
+    counts: tuple[int, int] = (0, 0)   # num_draft_tokens, num_accepted_tokens of the steps shown
+
+    def commit(self) -> None:
+        seq = self.seq
+        self.committed, self.closed = seq.output_len, seq.finished
+        self.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
 
 
 def _call_off(launch: Future, cancel: threading.Event) -> None:
@@ -207,14 +222,18 @@ class DriverCore:
                 return request_error(i, e)
         return None
 
-    def submit(self, prompts: list, params: list) -> SubmitReply:
-        """Validate every request first; admit all of them or none."""
+    def submit(self, prompts: list, params: list, resumes: list | None = None) -> SubmitReply:
+        """Validate every request first; admit all of them or none. ``resumes``: per
+        request None or the ``Resume`` of one a client held when its driver died (it is
+        admitted past ``max_pending``: it was accepted once)."""
         if not isinstance(prompts, list) or not isinstance(params, list) or len(prompts) != len(params):
             return SubmitReply([], "prompts and params must be lists of equal length")
+        if resumes is not None and (not isinstance(resumes, list) or len(resumes) != len(prompts)):
+            return SubmitReply([], "resumes must be a list as long as prompts")
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                seqs.append(self._make_seq(prompt, p))
+                seqs.append(self._make_seq(prompt, p, resumes[i] if resumes else None))
             except ValueError as e:
                 return SubmitReply([], request_error(i, e))
         with self._cv:
@@ -224,18 +243,29 @@ class DriverCore:
             # Counted here (not kept as a running total) so no path that ends a request can
             # forget to decrement it; O(max_pending) per submit is microseconds.
             pending = sum(1 for r in self._requests.values() if not r.seq.finished)
-            if pending + len(seqs) > self.config.max_pending:
+            fresh = sum(1 for _, _, r in seqs if r is None)
+            if fresh and pending + len(seqs) > self.config.max_pending:
                 return SubmitReply([], f"overloaded: {pending} requests pending, max_pending is "
                                        f"{self.config.max_pending}; this submit of {len(seqs)} was refused, "
                                        "retry once some finish", overloaded=True)
-            for seq, prompt in seqs:
-                self._requests[seq.request_id] = _Request(seq, prompt)
+            for seq, prompt, resume in seqs:
+                req = self._requests[seq.request_id] = _Request(seq, prompt)
+                if resume is not None:
+                    # The client holds these tokens, and a stream this much of their text.
+                    req.sent_tokens = req.stop_checked = req.committed = len(resume.token_ids)
+                    req.sent_text = resume.text_len
+                    req.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
                 self._incoming.append(seq)
             self._cv.notify_all()
-        return SubmitReply([s.request_id for s, _ in seqs])
+        return SubmitReply([s.request_id for s, _, _ in seqs], seeds=[s.seed for s, _, _ in seqs])
 
-    def _make_seq(self, prompt, params) -> tuple[Sequence, list[int]]:
+    def _make_seq(self, prompt, params, resume: Resume | None = None) -> tuple[Sequence, list[int], Resume | None]:
         ids, params = self._prepare(prompt, params)
+        if resume is not None:
+            if not isinstance(resume, Resume):
+                raise ValueError(f"resume must be a Resume, got {type(resume).__name__}")
+            resume.check(params, self.vocab_size, self.max_model_len)
+            ids = list(resume.prompt_token_ids)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_ids)
@@ -243,9 +273,16 @@ class DriverCore:
         with self._cv:
             self._next_seq += 1
             sid = self._next_seq
+        # A resumed request's sequence is the original's: same prompt, its output so far
+        # (its KV is recomputed from tokens[0:], as after a preemption).
         seq = Sequence(seq_id=sid, request_id=f"{sid}-{uuid.uuid4().hex[:8]}", prompt_len=len(ids),
-                       tokens=list(ids), params=params, seed=seed, stop_ids=frozenset(stops))
-        return seq, list(ids)
+                       tokens=list(ids) + (resume.token_ids if resume else []), params=params, seed=seed,
+                       stop_ids=frozenset(stops))
+        if resume is not None:
+            seq.num_draft_tokens, seq.num_accepted_tokens = resume.num_draft_tokens, resume.num_accepted_tokens
+            if seq.logprobs is not None:
+                seq.logprobs = list(resume.logprobs)
+        return seq, list(ids), resume
 
     def _prepare(self, prompt, params) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and params, validated; no state changes (check() runs it
@@ -303,7 +340,7 @@ class DriverCore:
         """All outputs once every request has finished; None if the timeout passes first."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while not all(self._requests[r].seq.finished for r in request_ids):
+            while not all(self._requests[r].closed for r in request_ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -313,6 +350,29 @@ class DriverCore:
             finally:
                 for r in request_ids:   # delivered (or failed): forget them either way
                     del self._requests[r]
+
+    def wait_progress(self, request_ids: list[str], have: list[int], timeout: float = 1.0) -> WaitReply:
+        """``wait`` for a client that can resume: the ids this driver does not hold are
+        named (it restarted since), and at the timeout each request's whole steps past the
+        ``have[i]`` output tokens its client holds come back, for it to resume from."""
+        with self._cv:
+            unknown = [r for r in request_ids if r not in self._requests]
+        if unknown:
+            return WaitReply(unknown=unknown)
+        outs = self.wait(request_ids, timeout)
+        if outs is not None:
+            return WaitReply(outputs=outs)
+        reply = WaitReply()
+        with self._cv:
+            for rid, n in zip(request_ids, have):
+                req = self._requests.get(rid)
+                if req is None or req.committed <= n or req.error:
+                    continue
+                seq, end = req.seq, req.committed
+                lps = seq.logprobs[n:end] if seq.logprobs is not None else None
+                reply.progress.append(Progress(rid, seq.output_tokens[n:end], lps, *req.counts,
+                                               prompt_token_ids=None if n else list(req.prompt)))
+        return reply
 
     def poll(self, request_id: str, timeout: float = 1.0) -> RequestOutput | None:
         """The new part of a request's output since the last poll (None: nothing new yet)."""
@@ -374,7 +434,7 @@ class DriverCore:
         return [self.tokenizer.decode([int(t)]) for t in token_ids]
 
     def _has_news(self, req: _Request) -> bool:
-        return req.seq.output_len != req.sent_tokens or req.seq.finished
+        return req.committed != req.sent_tokens or req.closed or req.error is not None
 
     def _wait_for_step(self, deadline: float) -> bool:
         """Wait (holding ``_cv``) until the loop ends a step; False once past ``deadline``."""
@@ -409,15 +469,16 @@ class DriverCore:
         seq = req.seq
         if req.error or (seq.finish_reason == "error"):
             raise RuntimeError(req.error or self._last_error or "request failed")
-        tokens = seq.output_tokens
-        ended_by_token = seq.finish_reason == "stop" and req.stop_text_at is None
+        end = req.committed
+        tokens = seq.output_tokens[:end]
+        reason = seq.finish_reason if req.closed else None
+        ended_by_token = reason == "stop" and req.stop_text_at is None
         text_ids = tokens[:-1] if ended_by_token else tokens
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
         if req.stop_text_at is not None:
             text = text[:req.stop_text_at]
-        return RequestOutput(seq.request_id, req.prompt, list(tokens), text, seq.finish_reason,
-                             seq.num_draft_tokens, seq.num_accepted_tokens,
-                             list(seq.logprobs) if seq.logprobs is not None else None)
+        return RequestOutput(seq.request_id, req.prompt, list(tokens), text, reason, *req.counts,
+                             list(seq.logprobs[:end]) if seq.logprobs is not None else None)
 
     def metrics(self, workers: bool = True) -> dict:
         """``workers``: also ask each model worker whether its steps replayed CUDA graphs
@@ -507,6 +568,7 @@ class DriverCore:
                         req = self._requests.get(seq.request_id)
                         if req is not None:
                             req.error = self._last_error
+                            req.closed = True
             # A finished sequence leaves both queues (preemption only moves one across).
             if self._pollers or len(sched.waiting) + len(sched.running) < unfinished:
                 with self._cv:
@@ -517,7 +579,8 @@ class DriverCore:
                 exported = True
 
     def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
-        """End the sequences whose text now holds one of their stop strings."""
+        """End the sequences whose text now holds one of their stop strings; then show
+        clients the step."""
         with self._cv:
             for seq, appended in stepped:
                 if not appended or not seq.params.stop:
@@ -537,6 +600,10 @@ class DriverCore:
                 seq.truncate_output(keep)
                 if ended_now:
                     self.engine.finished(seq)
+            for seq, _ in stepped:
+                req = self._requests.get(seq.request_id)
+                if req is not None:
+                    req.commit()
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -560,14 +627,33 @@ class Driver(DriverCore):
         # so a refused configuration is kept and reported by info(), for the client to
         # raise as the ValueError it is.
         self.refused: str | None = None
+        # Ray reruns this constructor when it restarts the actor (``driver_restarts``).
+        self.restarts = RestartLog()
         try:
             super().__init__(config, backend, export_metrics)
         except ValueError as e:
             self.refused = str(e)
+        self.restarts.ready()
 
     def info(self) -> DriverInfo | str:
         """The driver's info, or why it refused its configuration."""
         return self.refused if self.refused is not None else super().info()
+
+    def pid(self) -> int:
+        """This incarnation's process (tests kill it)."""
+        return os.getpid()
+
+    def metrics(self, workers: bool = True) -> dict:
+        return {**super().metrics(workers), **self.restarts.metrics()}
+
+    def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
+        super()._match_stops(stepped)
+        if stepped:
+            self.restarts.first_token()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.restarts.clear()
 
 
 RemoteDriver = ray.remote(max_concurrency=256)(Driver)

@@ -8,6 +8,12 @@ chunk carries whatever tokens arrived since the last one and the cost of a call 
 by every stream. A client that goes away aborts its requests in the driver, which frees
 their KV blocks before its next step.
 
+A driver that dies is restarted by Ray; the pump knows what each open request has
+received, and resubmits it to the new driver from there (``specray.runtime.resume``):
+streams ride through with nothing lost or repeated, a non-streaming request completes.
+Only a driver that does not serve again within ``RESTART_S`` ends them (an error chunk,
+or a 503 before a non-streaming response's first byte).
+
 ``start_http`` deploys it on the Ray this process is connected to.
 """
 
@@ -23,12 +29,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from specray.runtime import openai_protocol as api
+from specray.runtime.driver_restarts import DRIVER_RESTART_TIMEOUT_S, died_for_good
+from specray.runtime.resume import InFlight
 
 log = logging.getLogger("specray.http")
 
 POLL_S = 0.05          # a poll returns at the first step with news; this bounds a newcomer's wait
 UNAVAILABLE_S = 30.0   # a request waits this long for a driver that stopped answering
 RETRY_S = 0.5          # the pump's pause before asking a driver that failed to answer again
+RESTART_S = DRIVER_RESTART_TIMEOUT_S   # open requests wait this long for a restarted driver
 DEPLOYMENT = "SpecrayIngress"
 
 app = FastAPI(title="specray", docs_url=None, redoc_url=None)
@@ -48,10 +57,16 @@ class DeltaPump:
     def __init__(self, driver) -> None:
         self.driver = driver
         self.queues: dict[str, asyncio.Queue] = {}
+        self.flight = InFlight()        # what each open request has received, to resume it
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
-    def open(self, request_ids: list[str]) -> dict[str, asyncio.Queue]:
+    def open(self, request_ids: list[str], prompts: list | None = None, params: list | None = None,
+             seeds: list[int] | None = None) -> dict[str, asyncio.Queue]:
+        """Queues for these requests; with their prompts, params and the driver's seeds
+        they are resumed on a restarted driver (else a lost driver ends them)."""
+        if prompts is not None:
+            self.flight.add(request_ids, prompts, params, seeds)
         qs = {rid: asyncio.Queue() for rid in request_ids}
         self.queues.update(qs)
         self._wake.set()
@@ -59,9 +74,13 @@ class DeltaPump:
             self._task = asyncio.get_running_loop().create_task(self._run())
         return qs
 
-    def close(self, request_ids: list[str]) -> None:
+    def close(self, request_ids: list[str]) -> list[str]:
+        """Stop reading these requests; returns the ids the driver knows them by now."""
+        current = [t.driver_id if (t := self.flight.get(rid)) is not None else rid for rid in request_ids]
+        self.flight.forget(request_ids)
         for rid in request_ids:
             self.queues.pop(rid, None)
+        return current
 
     async def _run(self) -> None:
         errors = _actor_errors()
@@ -71,23 +90,70 @@ class DeltaPump:
                 await self._wake.wait()
                 continue
             ids = list(self.queues)
+            by_driver_id = {(t.driver_id if (t := self.flight.get(rid)) is not None else rid): rid for rid in ids}
             try:
-                reply = await self.driver.poll_many.remote(ids, POLL_S)
+                reply = await self.driver.poll_many.remote(list(by_driver_id), POLL_S)
             except errors as e:
-                for rid in ids:
-                    self._put(rid, ("unavailable", f"the specray driver is unavailable: {type(e).__name__}"))
-                await asyncio.sleep(RETRY_S)
+                await self._lost(ids, type(e).__name__)
                 continue
             except Exception as e:  # noqa: BLE001 - a pump that dies would hang every stream
                 for rid in ids:
                     self._put(rid, ("error", f"{type(e).__name__}: {e}"))
                 continue
             for d in reply.deltas:
-                self._put(d.request_id, ("delta", d))
-            for rid, why in reply.errors.items():
-                self._put(rid, ("error", why))
-            for rid in reply.unknown:
-                self._put(rid, ("error", "the driver no longer holds this request"))
+                rid = by_driver_id.get(d.request_id)
+                if rid is None or (self.flight.get(rid) is not None
+                                   and not self.flight.received(rid, d.request_id, d, delta=True)):
+                    continue        # from a driver id the request has moved away from: sent again
+                d.request_id = rid
+                self._put(rid, ("delta", d))
+            for did, why in reply.errors.items():
+                self._put(by_driver_id[did], ("error", why))
+            restarted = False
+            for did in reply.unknown:
+                rid = by_driver_id[did]
+                if self.flight.get(rid) is not None:
+                    restarted = True            # the driver restarted since it took the request
+                else:
+                    self._put(rid, ("error", "the driver no longer holds this request"))
+            if restarted:
+                await self._lost(ids, "the driver restarted")
+
+    async def _lost(self, ids: list[str], why: str) -> None:
+        """The driver failed under a poll: requests that cannot be resumed end now; the
+        rest are resubmitted, each from what it received, once the driver serves again,
+        or end once ``RESTART_S`` has passed."""
+        for rid in ids:
+            if self.flight.get(rid) is None:
+                self._put(rid, ("unavailable", f"the specray driver is unavailable: {why}"))
+        errors = _actor_errors() + (asyncio.TimeoutError,)
+        deadline = time.monotonic() + RESTART_S
+        while True:
+            tracked, prompts, params, resumes = self.flight.resubmissions()
+            if not tracked:
+                await asyncio.sleep(RETRY_S)
+                return
+            try:
+                await asyncio.wait_for(self.driver.info.remote(), max(0.1, deadline - time.monotonic()))
+                await self.driver.abort.remote([t.driver_id for t in tracked])   # a driver only out of reach
+                reply = await self.driver.submit.remote(prompts, params, resumes)
+            except errors as e:
+                why = type(e).__name__
+                if died_for_good(self.driver, e) or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(RETRY_S)
+                continue
+            except Exception as e:  # noqa: BLE001 - a pump that dies would hang every stream
+                why = f"{type(e).__name__}: {e}"
+                break
+            if reply.error:
+                why = f"the restarted driver refused to resume them: {reply.error}"
+                break
+            self.flight.moved(tracked, reply.request_ids)
+            return
+        for t in tracked:
+            self._put(t.request_id, ("unavailable", f"the specray driver did not serve again ({why})"))
+        self.flight.forget([t.request_id for t in tracked])
 
     def _put(self, rid: str, item) -> None:
         q = self.queues.get(rid)
@@ -183,11 +249,12 @@ class OpenAIIngress:
         t0 = self.metrics.begin(route)
         try:
             req = await self._parse(request, route)
-            ids = await self._submit(req)
+            reply = await self._submit(req)
         except api.ApiError as e:
             self.metrics.end(route, e.status, t0)
             return _error_response(e)
-        queues = self.pump.open(ids)
+        ids = reply.request_ids
+        queues = self.pump.open(ids, req.prompts, req.params, reply.seeds)
         if req.stream:
             return StreamingResponse(self._stream(req, ids, queues, route, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -209,9 +276,9 @@ class OpenAIIngress:
         finally:
             # Reached on success too, and when the client went away (the task is cancelled):
             # requests still running are aborted, freeing their blocks.
-            self.pump.close(ids)
+            current = self.pump.close(ids)
             if status != 200:
-                self._abort(ids)
+                self._abort(current)
             self.metrics.end(route, status, t0, tokens)
 
     async def _parse(self, request: Request, route: str) -> api.GenerationRequest:
@@ -225,12 +292,23 @@ class OpenAIIngress:
             return api.parse_chat(body, self.served, self.max_model_len)
         return api.parse_completion(body, self.served, self.max_model_len)
 
-    async def _submit(self, req: api.GenerationRequest) -> list[str]:
-        try:
-            reply = await asyncio.wait_for(self.driver.submit.remote(req.prompts, req.params), UNAVAILABLE_S)
-        except (asyncio.TimeoutError, *_actor_errors()) as e:
-            raise api.ApiError(503, f"the specray driver is unavailable ({type(e).__name__}); retry shortly",
-                               retry_after_s=1) from None
+    async def _submit(self, req: api.GenerationRequest):
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + UNAVAILABLE_S
+        while True:
+            try:
+                reply = await asyncio.wait_for(self.driver.submit.remote(req.prompts, req.params),
+                                               max(0.1, deadline - time.monotonic()))
+                break
+            except (asyncio.TimeoutError, *_actor_errors()) as e:
+                # Died under the call and being restarted: what it took died with it, so
+                # submitting again to the new one repeats nothing.
+                if isinstance(e, ActorUnavailableError) and time.monotonic() < deadline:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                raise api.ApiError(503, f"the specray driver is unavailable ({type(e).__name__}); retry shortly",
+                                   retry_after_s=1) from None
         if reply.overloaded:
             raise api.ApiError(429, reply.error, retry_after_s=1)
         if reply.error:
@@ -240,7 +318,7 @@ class OpenAIIngress:
             if req.num_choices == 1 and message.startswith("request 0: "):
                 message = message[len("request 0: "):]
             raise api.bad(message, "prompt" if "prompt" in message else None)
-        return reply.request_ids
+        return reply
 
     async def _stream(self, req: api.GenerationRequest, ids: list[str], queues: dict, route: str, t0: float):
         choices = [api.Choice(i) for i in range(len(ids))]
@@ -275,10 +353,10 @@ class OpenAIIngress:
         finally:
             for r in readers:
                 r.cancel()
-            self.pump.close(ids)
+            current = self.pump.close(ids)
             if left:
                 status = status if status != 200 else 499      # the client went away
-                self._abort(ids)
+                self._abort(current)
             self.metrics.end(route, status, t0, sum(len(c.token_ids) for c in choices))
 
     def _abort(self, ids: list[str]) -> None:

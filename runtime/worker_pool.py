@@ -204,7 +204,9 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
     bundles = [_bundle(opts) for _, _, opts in kinds]
     pg = None
     if bundles and all(bundles):
-        pg = placement_group(bundles, strategy=cluster.placement_strategy)
+        from specray.runtime.driver_restarts import worker_group_name
+
+        pg = placement_group(bundles, strategy=cluster.placement_strategy, name=worker_group_name())
         try:
             placed = _wait_all([pg.ready()], cancel, cluster.placement_timeout_s)
         except BaseException:

@@ -345,3 +345,68 @@ def test_add_parser_registers_the_subcommand():
     assert (args.temperature, args.stop_token_ids, args.on_error) == (0.7, [3, 5], "fail")
     assert args.num_speculative_tokens == 2
     assert (args.max_tokens, args.chunk_size, args.target) == (128, 64, None)
+
+
+def test_a_batch_job_killed_and_run_again_resumes_from_its_checkpoint(llama_pair, tmp_path, ray_session, capsys):
+    """SIGKILL of the `specray batch` process (its driver goes with it) once some chunks
+    are done; the same command again generates only the rest, and the output equals an
+    uninterrupted run's: nothing missing, nothing twice, written whole."""
+    import signal
+
+    import ray
+
+    t, d = llama_pair
+    lines = [json.dumps({"prompt": [1 + i, 2 + i, 3], "max_tokens": 40, "ignore_eos": True,
+                         **({"temperature": 0.9, "seed": i} if i % 2 else {})}) for i in range(16)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", str(inp), "--chunk-size", "2",
+             "--chunks-in-flight", "1"]
+    ref = tmp_path / "ref.jsonl"
+    assert batch_main(flags + ["--output", str(ref)]) == 0
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / ".out.jsonl.specray-partial"
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.batch", *flags, "--output", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if partial.exists() and len(partial.read_text().splitlines()) >= 3:     # the header and a chunk
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
+    assert not out.exists()
+    done_before = len(partial.read_text().splitlines()) - 1
+    assert 2 <= done_before < 16
+    capsys.readouterr()
+    assert batch_main(flags + ["--output", str(out)]) == 0
+    assert f"resuming: {done_before} line(s) done" in capsys.readouterr().err
+    assert out.read_text() == ref.read_text()
+    assert not partial.exists()
+
+
+def test_a_checkpoint_keeps_whole_records_of_the_same_input_only(tmp_path):
+    from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path
+
+    out = tmp_path / "out.jsonl"
+    path = checkpoint_path(Location(str(out), None, str(out)))
+    assert path == str(tmp_path / ".out.jsonl.specray-partial")
+    assert checkpoint_path(None) is None
+    items = [Item(i, [i], SamplingParams(max_tokens=3)) for i in (1, 2, 3)]
+    first = Checkpoint(path, items)
+    first.add([{"line": 1, "token_ids": [5]}, {"line": 2, "token_ids": [6]}])
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"line": 3, "tok')                 # the record a kill cut off
+    again = Checkpoint(path, items)
+    assert sorted(again.records) == [1, 2]          # line 3 runs again
+    again.add([{"line": 3, "token_ids": [7]}])
+    again.close()
+    assert sorted(Checkpoint(path, items).records) == [1, 2, 3]
+    # Another input (a changed line) is another job: its checkpoint starts empty.
+    other = [Item(i, [i], SamplingParams(max_tokens=4)) for i in (1, 2, 3)]
+    fresh = Checkpoint(path, other)
+    assert fresh.records == {}
+    fresh.close()                                   # nothing recorded: nothing left behind
+    assert not os.path.exists(path)

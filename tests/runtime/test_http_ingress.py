@@ -112,3 +112,105 @@ def test_submit_to_a_driver_that_does_not_answer_is_a_503():
         assert e.status == 503 and e.retry_after_s == 1
     else:
         raise AssertionError("no 503")
+
+
+class Done:
+    """What ``.remote()`` returns, awaited or not (as an ObjectRef)."""
+
+    def __await__(self):
+        return iter(())
+
+
+class RestartingDriver(DeadDriver):
+    """Streams a request's output two tokens a poll, dies once after the first poll, comes
+    back empty (it knows no request ids), and serves what is resubmitted to it from the
+    resume point: a restarted driver as the pump meets it."""
+
+    OUT = [5, 6, 7, 8, 9, 10]
+
+    def __init__(self, down_polls: int = 1) -> None:
+        super().__init__()
+        self.down = down_polls
+        self.held: dict[str, int] = {}           # id -> tokens sent
+        self.resumed: list = []
+        self.info = Remote(self._info)
+        self.submit = Remote(self._submit)
+        self.abort = Remote(self._abort)
+
+    def _abort(self, ids):
+        self.aborted.append(ids)
+        return Done()
+
+    async def _info(self):
+        if self.down:
+            self.down -= 1
+            raise rex.ActorUnavailableError("restarting", None)
+        return "info"
+
+    async def _submit(self, prompts, params, resumes=None):
+        from specray.runtime.driver import SubmitReply
+
+        self.resumed.append(resumes)
+        ids = [f"new{i}" for i in range(len(prompts))]
+        for rid, r in zip(ids, resumes):
+            self.held[rid] = len(r.token_ids) if r else 0
+        return SubmitReply(ids, seeds=[p.seed for p in params])
+
+    async def _poll(self, ids, timeout):
+        from specray.runtime.driver import PollReply
+
+        await asyncio.sleep(0.001)          # a call to Ray suspends the pump
+        self.polls += 1
+        if self.polls == 2:
+            self.held.clear()
+            raise rex.ActorUnavailableError("died", None)
+        reply = PollReply()
+        for rid in ids:
+            if rid not in self.held:
+                reply.unknown.append(rid)
+                continue
+            n = self.held[rid]
+            new = self.OUT[n:n + 2]
+            self.held[rid] = n + len(new)
+            done = self.held[rid] == len(self.OUT)
+            reply.deltas.append(RequestOutput(rid, [1, 2], new, "".join(chr(96 + t) for t in new),
+                                              "length" if done else None))
+        return reply
+
+
+def test_a_stream_rides_through_a_driver_restart(monkeypatch):
+    monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
+    drv = RestartingDriver()
+    drv.held["r1"] = 0
+    ing = ingress(drv)
+    req = request()
+
+    async def run():
+        queues = ing.pump.open(["r1"], req.prompts, req.params, [42])
+        return await collect(ing._stream(req, ["r1"], queues, "completions", 0.0))
+
+    pieces = asyncio.run(run())
+    texts = [json.loads(p[6:])["choices"][0]["text"] for p in pieces[:-1]]
+    assert "".join(texts) == "efghij" and pieces[-1] == "data: [DONE]\n\n"
+    (resume,) = drv.resumed[0]
+    # Resubmitted from what it had received: the prompt's ids, two tokens, their text.
+    assert (resume.prompt_token_ids, resume.token_ids, resume.text_len) == ([1, 2], [5, 6], 2)
+    assert drv.aborted == [["r1"]] and ing.pump.flight.requests == {}
+
+
+def test_a_driver_that_does_not_come_back_in_time_ends_the_stream_with_an_error(monkeypatch):
+    monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
+    monkeypatch.setattr(http_ingress, "RESTART_S", 0.2)
+    drv = RestartingDriver(down_polls=10**9)
+    drv.held["r1"] = 0
+    ing = ingress(drv)
+    req = request()
+
+    async def run():
+        queues = ing.pump.open(["r1"], req.prompts, req.params, [42])
+        return await collect(ing._stream(req, ["r1"], queues, "completions", 0.0))
+
+    pieces = asyncio.run(run())
+    err = json.loads(pieces[-2][6:])
+    assert err["error"]["type"] == "service_unavailable" and "did not serve again" in err["error"]["message"]
+    assert pieces[-1] == "data: [DONE]\n\n"
