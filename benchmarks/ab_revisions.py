@@ -83,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="git revision measured as the baseline")
     ap.add_argument("--other", default=None, help="git revision to compare (default: this working tree)")
-    ap.add_argument("--proposer", default="none", choices=["none", "ngram", "draft"])
+    ap.add_argument("--proposer", default="none", choices=["none", "ngram", "suffix", "draft"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=16)

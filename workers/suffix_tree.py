@@ -56,6 +56,7 @@ class SuffixTree:
         self._free: list[int] = []                # ids of removed nodes, for reuse
         self._seqs: dict[object, list[int]] = {}
         self._active: dict[object, list[int]] = {}
+        self._rooms: dict[tuple[int, float], int] = {}   # (max_tokens, factor) -> match_room
 
     def tokens(self, key) -> list[int]:
         return self._seqs[key]
@@ -129,15 +130,31 @@ class SuffixTree:
                 hi = mid - 1
         return lo
 
+    def match_room(self, max_tokens: int, factor: float) -> int:
+        """The longest match worth following when a match of m tokens may propose
+        ``min(max_tokens, m * factor)`` and a path holds at most ``max_depth`` tokens (so
+        ``max_depth - m`` past the match): the longest m that still reaches the most any m
+        could propose. A long repeat is matched no further than that, so that its path
+        has room to continue; with ``max_tokens`` at or past ``max_depth`` it still
+        proposes (about ``max_depth / (1 + factor) * factor`` tokens a step)."""
+        key = (max_tokens, factor)
+        room = self._rooms.get(key)
+        if room is None:
+            depth = self.max_depth
+            best = max(min(max_tokens, int(m * factor + 1e-9), depth - m) for m in range(1, depth))
+            room = self._rooms[key] = depth - best if best > 0 else depth - 1
+        return room
+
     def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         """The continuation of ``context``'s longest match that continues (at most
-        ``max_depth - max_tokens`` tokens, so that a path has room for ``max_tokens``
-        more): a match of m tokens may propose ``min(max_tokens, m * factor)`` tokens (longer matches are
-        trusted further); a match whose first token's chance is below ``min_prob`` (or
-        that was only ever followed by a sequence's end) gives way to the next shorter
-        one. None when nothing matches or nothing passes ``min_prob``."""
-        # A path holds at most max_depth tokens: a match leaves room for the continuation.
-        room = max(self.max_depth - max_tokens, 0)
+        ``match_room`` tokens, so that a path has room to continue): a match of m tokens
+        may propose ``min(max_tokens, m * factor)`` tokens (longer matches are trusted
+        further); a match whose first token's chance is below ``min_prob`` (or that was
+        only ever followed by a sequence's end) gives way to the next shorter one. None
+        when nothing matches or nothing passes ``min_prob``."""
+        if max_tokens <= 0:
+            return None
+        room = self.match_room(max_tokens, factor)
         longest = self.longest_match(context[max(len(context) - room, 0):])
         return self._follow(range(longest, 0, -1),
                             lambda m: self._walk(context[len(context) - m:]), max_tokens, min_prob, factor)
@@ -147,8 +164,10 @@ class SuffixTree:
         active nodes are its matches already, so nothing is walked. Its own occurrence
         counts in every chance (its current end has no continuation), the earlier ones
         give the continuations."""
+        if max_tokens <= 0:
+            return None
         active = self._active.get(key) or []
-        longest = min(len(active), self.max_depth - 1, self.max_depth - max_tokens)
+        longest = min(len(active), self.max_depth - 1, self.match_room(max_tokens, factor))
         return self._follow(range(longest, 0, -1), lambda m: active[m - 1], max_tokens, min_prob, factor)
 
     def _follow(self, lengths, node_of, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:

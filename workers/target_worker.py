@@ -40,19 +40,26 @@ class TargetWorker(ModelWorker):
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, lens, width)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.score_rows), tail=[m + 1 for m in lens])   # [n * (width+1), V]
+                           r.to_device(batch.logit_rows), tail=[m + 1 for m in lens])   # [sum(lens) + n, V]
         vocab = logits.shape[-1]
-        scores = logits.view(n, width + 1, vocab)
         w1 = width + 1
+        # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
+        # distinct rows go through the head (at batch 1, a step that proposed nothing paid
+        # 1.44x a plain step for four copies of one row: docs/suffix-decoding.md).
+        grid_rows = None if len(batch.logit_rows) == n * w1 else r.to_device(batch.cells)
         # Greedy rows are decided on the host from the argmax grid ([n, width+1] ints):
         # fewer tensor ops than a masked device computation, and the same one host sync.
-        argmax = scores.argmax(dim=-1).view(-1)
+        argmax = logits.argmax(dim=-1)
+        if grid_rows is not None:
+            argmax = argmax.index_select(0, grid_rows)
         sampled = [i for i, t in enumerate(plan.temperature) if t > 0]
+        asked = [i for i, x in enumerate(plan.logprobs) if x >= 0]
+        if sampled or asked:
+            scores = (logits if grid_rows is None else logits.index_select(0, grid_rows)).view(n, w1, vocab)
         parts, out = [argmax], None
         if sampled:
             out, counts = self._sample(plan, lens, sampled, scores, draft_probs)
             parts += [counts, out.view(-1)]
-        asked = [i for i, x in enumerate(plan.logprobs) if x >= 0]
         if asked:
             chosen, top_lp, top_ids, num_top = self._logprobs(plan, asked, sampled, scores, argmax, out)
             parts.append(top_ids.view(-1))
@@ -168,7 +175,13 @@ def _fill_logprobs(result: StepResult, plan: StepPlan, asked: list[int], emitted
 class PackedVerify:
     tokens: list[int]         # [T]: per sequence its new tokens, then its proposals
     fed: list[int]            # [n]: tokens each sequence feeds
-    score_rows: list[int]     # [n * (width+1)]: packed row scoring each position (repeats past proposal_len)
+    logit_rows: list[int]     # [sum(proposal_lens) + n]: the packed rows whose logits are computed
+    cells: list[int]          # [n * (width+1)]: index into logit_rows scoring each position
+
+    @property
+    def score_rows(self) -> list[int]:
+        """[n * (width+1)]: the packed row scoring each position (repeats past proposal_len)."""
+        return [self.logit_rows[c] for c in self.cells]
 
 
 def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token_ids: list[int],
@@ -176,11 +189,13 @@ def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token
     """The verify pass's input layout, as host lists (list slicing and ``range`` run at
     C speed; a handful of tiny tensor ops cost more at these sizes). Sequence i's
     positions 0..m (m its proposal_len) are scored at its last new token and its
-    proposals; rows past m repeat its last scored row so the logits come out as a dense
-    ``[n, width+1]`` grid without a scatter (the sampler never reads them)."""
+    proposals: those m + 1 rows are computed once (``logit_rows``), and ``cells`` lays
+    them out as a dense ``[n, width+1]`` grid whose cells past m repeat the last one (the
+    sampler never reads them)."""
     tokens: list[int] = []
     fed: list[int] = []
-    score_rows: list[int] = []
+    logit_rows: list[int] = []
+    cells: list[int] = []
     start = row = 0
     for i, (new, m) in enumerate(zip(num_new, proposal_lens)):
         tokens += token_ids[start:start + new]
@@ -188,8 +203,10 @@ def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token
         if m:
             tokens += proposal_token_ids[i * width:i * width + m]
         last = row + new - 1
-        score_rows += range(last, last + m + 1)
-        score_rows += [last + m] * (width - m)
+        base = len(logit_rows)
+        logit_rows += range(last, last + m + 1)
+        cells += range(base, base + m + 1)
+        cells += [base + m] * (width - m)
         row += new + m
         fed.append(new + m)
-    return PackedVerify(tokens, fed, score_rows)
+    return PackedVerify(tokens, fed, logit_rows, cells)

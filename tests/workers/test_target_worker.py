@@ -194,6 +194,8 @@ def test_packed_verify_batch_matches_a_per_sequence_reference(k):
         got = packed_verify_batch(token_ids, num_new, props if k else [], plens, k)
         tokens, fed, rows = _packed_reference(token_ids, num_new, props, plens, k)
         assert (got.tokens, got.fed, got.score_rows) == (tokens, fed, rows)
+        # Each scored row goes through the head once: m + 1 rows per sequence, in order.
+        assert got.logit_rows == sorted(set(rows)) and len(got.logit_rows) == sum(plens) + n
 
 
 def _logprob_rows(result):
