@@ -7,6 +7,7 @@ leaves nothing running."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,9 +123,10 @@ def same(a, b) -> None:
 def rt(ray_module):
     BEFORE["actors"] = {a["ActorID"] for a in actors().values() if a["State"] != "DEAD"}
     BEFORE["groups"] = {gid for gid, g in placement_group_table().items() if g["state"] != "REMOVED"}
-    # Resources ask for a placement group: the test sees it go with each dead driver.
+    # Resources ask for a placement group: the test sees it go with each dead driver. The
+    # actor layout: the driver's process hosts the target, the draft is an actor of its own.
     runtime = SpecRuntime(config(max_driver_restarts=8, target_resources={"CPU": 0.1},
-                                 draft_resources={"CPU": 0.1}))
+                                 draft_resources={"CPU": 0.1}, layout="actors"))
     yield runtime
     runtime.shutdown()
 
@@ -152,13 +154,14 @@ def test_a_killed_driver_resumes_every_request_with_the_same_tokens(rt, referenc
 
 
 def test_a_worker_and_the_driver_killed_then_the_driver_again_while_it_recovers(rt, reference):
-    """A target worker and the driver die together; the restarted driver is killed again
-    while it starts its workers or resumes: two restarts in a row, same tokens."""
+    """A draft worker and the driver (with the target it hosts, in the actor layout) die
+    together; the restarted driver is killed again while it starts its workers or resumes:
+    two restarts in a row, same tokens."""
     ref_batch, ref_stream = reference
 
     def kills():
-        (target,) = alive("TargetActor")
-        os.kill(target["Pid"], signal.SIGKILL)
+        (draft,) = alive("DraftActor")
+        os.kill(draft["Pid"], signal.SIGKILL)
         kill_again_while_starting(rt, kill_driver(rt))
 
     before = rt.metrics()["num_driver_restarts"]
@@ -167,7 +170,40 @@ def test_a_worker_and_the_driver_killed_then_the_driver_again_while_it_recovers(
     same_stream(stream, ref_stream)
     assert rt.metrics()["num_driver_restarts"] == before + 2
     # The dead drivers' workers and placement groups went with them: one set is left.
-    assert len(alive("TargetActor")) == 1 and len(alive("DraftActor")) == 1 and live_groups() == 1
+    assert len(alive("DraftActor")) == 1 and not alive("TargetActor") and live_groups() == 1
+
+
+CLIENT = """
+import json, sys
+from specray import SamplingParams, SpecRuntime
+rt = SpecRuntime.connect(name="specray-failover", ray_address=sys.argv[1], restart_timeout_s=120)
+toks, said = [], False
+for d in rt.stream("def fibonacci(n):", SamplingParams(**json.loads(sys.argv[2]))):
+    toks += d.token_ids
+    if len(toks) >= 6 and not said:
+        print("go", flush=True)
+        said = True
+print(json.dumps(toks), flush=True)
+"""
+
+
+def test_a_client_in_another_process_rides_through_a_restart(rt):
+    """``SpecRuntime.connect`` from another process: its stream waits out the restart and
+    ends with the tokens of the uninterrupted run (a long one, so the kill lands mid-way)."""
+    params = dict(max_tokens=400, temperature=0.8, seed=11, ignore_eos=True)
+    (ref,) = rt.generate(["def fibonacci(n):"], SamplingParams(**params))
+    before = rt.metrics()["num_driver_restarts"]
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, ray.get_runtime_context().gcs_address,
+                             json.dumps(params)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "go"
+        kill_driver(rt)
+        toks = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert toks == ref.token_ids
+    assert rt.metrics()["num_driver_restarts"] == before + 1
 
 
 def test_shutdown_after_restarts_leaves_nothing_running(rt):
