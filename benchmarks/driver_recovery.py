@@ -2,7 +2,8 @@
 a stream and time until that stream's next token arrives (the restart, the new workers
 loading their models, the resubmission, the KV recompute, the first step).
 
-    python benchmarks/driver_recovery.py [--target DIR --draft DIR | --proposer ngram] [--repeats 5]
+    python benchmarks/driver_recovery.py [--target DIR --draft DIR | --proposer ngram]
+                                         [--layout auto|actors|colocated] [--repeats 5]
 
 Built-in pair by default. Each repeat streams one greedy request (and ``--batch - 1``
 others beside it through ``generate``), kills the driver once the stream has 16 tokens,
@@ -36,6 +37,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=8, help="requests in flight at the kill (one of them streamed)")
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--layout", default="auto", choices=["auto", "actors", "colocated"])
     args = p.parse_args()
     target = args.target or builtin_model("tiny-target")
     draft = args.draft if args.proposer in ("draft", "draft+suffix") else None
@@ -43,7 +45,8 @@ def main() -> int:
         draft = builtin_model("tiny-draft")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     rt = SpecRuntime(RuntimeConfig(target=target, draft=draft, proposer=args.proposer, num_speculative_tokens=4,
-                                   device="cpu", dtype="float32", max_driver_restarts=-1))
+                                   device="cpu", dtype="float32", max_driver_restarts=-1,
+                                   layout=args.layout))
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(10):", "while True:\n",
                "x = [1, 2, 3]\n", "def main():\n", "if __name__ =="]
     others = [prompts[(i + 1) % len(prompts)] for i in range(args.batch - 1)]
@@ -78,6 +81,7 @@ def main() -> int:
               f"{rows[-1][1]:.2f} s, -> first step {rows[-1][2]:.2f} s", flush=True)
     med = [statistics.median(c) for c in zip(*rows)]
     print(json.dumps({"target": os.path.basename(target.rstrip("/")), "proposer": args.proposer,
+                      "layout": rt.metrics()["layout"],
                       "batch": args.batch, "repeats": args.repeats, "kill_to_first_token_s": round(med[0], 2),
                       "min_max_s": [round(min(r[0] for r in rows), 2), round(max(r[0] for r in rows), 2)],
                       "driver_recovery_s": round(med[1], 2), "driver_first_token_s": round(med[2], 2),
