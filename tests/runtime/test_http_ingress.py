@@ -178,9 +178,8 @@ class RestartingDriver(DeadDriver):
         return reply
 
 
-def test_a_stream_rides_through_a_driver_restart(monkeypatch):
-    monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
-    drv = RestartingDriver()
+def stream_through_restart(drv: RestartingDriver):
+    """One stream ("r1", seed 42) through an ingress over ``drv``: (the ingress, its SSE pieces)."""
     drv.held["r1"] = 0
     ing = ingress(drv)
     req = request()
@@ -189,7 +188,13 @@ def test_a_stream_rides_through_a_driver_restart(monkeypatch):
         queues = ing.pump.open(["r1"], req.prompts, req.params, [42])
         return await collect(ing._stream(req, ["r1"], queues, "completions", 0.0))
 
-    pieces = asyncio.run(run())
+    return ing, asyncio.run(run())
+
+
+def test_a_stream_rides_through_a_driver_restart(monkeypatch):
+    monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
+    drv = RestartingDriver()
+    ing, pieces = stream_through_restart(drv)
     texts = [json.loads(p[6:])["choices"][0]["text"] for p in pieces[:-1]]
     assert "".join(texts) == "efghij" and pieces[-1] == "data: [DONE]\n\n"
     (resume,) = drv.resumed[0]
@@ -201,16 +206,7 @@ def test_a_stream_rides_through_a_driver_restart(monkeypatch):
 def test_a_driver_that_does_not_come_back_in_time_ends_the_stream_with_an_error(monkeypatch):
     monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
     monkeypatch.setattr(http_ingress, "RESTART_S", 0.2)
-    drv = RestartingDriver(down_polls=10**9)
-    drv.held["r1"] = 0
-    ing = ingress(drv)
-    req = request()
-
-    async def run():
-        queues = ing.pump.open(["r1"], req.prompts, req.params, [42])
-        return await collect(ing._stream(req, ["r1"], queues, "completions", 0.0))
-
-    pieces = asyncio.run(run())
+    _, pieces = stream_through_restart(RestartingDriver(down_polls=10**9))
     err = json.loads(pieces[-2][6:])
     assert err["error"]["type"] == "service_unavailable" and "did not serve again" in err["error"]["message"]
     assert pieces[-1] == "data: [DONE]\n\n"
