@@ -20,6 +20,7 @@ or a 503 before a non-streaming response's first byte).
 
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -50,6 +51,12 @@ def _actor_errors() -> tuple[type, ...]:
                                            "GetTimeoutError") if hasattr(rex, n))
 
 
+def detached(fn, *args):
+    """``fn(*args)`` in an empty context: a Ray call made there, or a task created there,
+    is no child of the request being served (see ``DeltaPump.open``)."""
+    return contextvars.Context().run(fn, *args)
+
+
 class DeltaPump:
     """One replica's reader of the driver: a queue per open request, filled by a single
     task that polls the driver for all of them at once."""
@@ -71,7 +78,10 @@ class DeltaPump:
         self.queues.update(qs)
         self._wake.set()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # Outside the calling request's context: Ray keys an async actor's calls to the
+            # request task they are made in, and Serve cancels a departed client's request
+            # with all its calls, which would take the pump's poll of every stream with it.
+            self._task = detached(asyncio.get_running_loop().create_task, self._run())
         return qs
 
     def close(self, request_ids: list[str]) -> list[str]:
@@ -360,9 +370,10 @@ class OpenAIIngress:
             self.metrics.end(route, status, t0, sum(len(c.token_ids) for c in choices))
 
     def _abort(self, ids: list[str]) -> None:
-        # Sent, not awaited: this runs while the request's task is being cancelled.
+        # Sent, not awaited: this runs while the request's task is being cancelled, and
+        # detached from it, or Serve's cancelling of the request cancels the abort too.
         try:
-            self.driver.abort.remote(ids)
+            detached(self.driver.abort.remote, ids)
         except Exception as e:  # noqa: BLE001 - the driver may be gone; nothing else to free
             log.warning("abort of %d requests failed: %s", len(ids), e)
 

@@ -350,3 +350,29 @@ def test_speculation_false_proposes_nothing_and_changes_nothing(client):
     assert off.choices[0].text == on.choices[0].text
     assert on.model_extra["specray"]["num_draft_tokens"] > 0
     assert off.model_extra["specray"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+
+def test_a_stream_rides_through_a_driver_kill_with_the_same_text(client, server):
+    """The driver's process SIGKILLed under an openai stream: Ray restarts it, the ingress
+    resubmits the request from what it had sent, and the client's text equals the run
+    without a kill (seeded sampling). Last in the module: the driver is a new process after."""
+    import os
+    import signal
+
+    import ray
+
+    rt = server[1]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0.8, seed=5,
+              extra_body={"ignore_eos": True})
+    ref = client.completions.create(**kw).choices[0].text
+    before = rt.metrics()["num_driver_restarts"]
+    text, killed = "", False
+    for ch in client.completions.create(stream=True, **kw):
+        text += ch.choices[0].text
+        if not killed and len(text) >= 6:
+            os.kill(ray.get(rt._driver.pid.remote()), signal.SIGKILL)
+            killed = True
+    assert killed and text == ref
+    assert rt.metrics()["num_driver_restarts"] == before + 1
+    # It serves on, non-streaming too.
+    assert client.completions.create(**kw).choices[0].text == ref
