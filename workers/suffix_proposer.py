@@ -1,25 +1,26 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975): proposals looked up in what the
 traffic has produced before, without a model.
 
-Two kinds of ``SuffixTree``:
+Two sources of matches:
 
-- one per running request, over its own tokens (prompt and output so far): the repeats
+- each running request's own tokens (prompt and output so far), in a ``SequenceMatches``
+  (what a suffix tree of that request would propose, without building one): the repeats
   within a request, as prompt lookup finds them, but the continuation seen most often wins;
-- one global tree over the outputs of the last ``suffix_cache_requests`` finished
+- one global ``SuffixTree`` over the outputs of the last ``suffix_cache_requests`` finished
   requests, each after the tail of its prompt a match can reach (first in, first out, and fewer while it holds more than ``suffix_max_nodes``):
   what other requests emitted, so best-of-n samples, retries and agents that repeat
   themselves propose what an earlier answer said.
 
-A sequence proposes the better of the two trees' candidates (``SuffixTree.speculate``:
+A sequence proposes the better of the two candidates (``speculate``:
 a longer match proposes more, up to its ``proposal_len``; nothing past a path chance below
 ``suffix_min_prob``), or nothing where neither matches. Each proposal carries its score,
 the number of its tokens expected to be accepted, for ``proposer="draft+suffix"`` to
 weigh it against the draft model's.
 
 The proposer runs in the driver's process, beside the scheduler: it reads each sequence's
-tokens from the ``Sequence`` itself, and a request's tree only ever grows by tokens the
+tokens from the ``Sequence`` itself, and a request's index only ever grows by tokens the
 target emitted (never by proposals), so nothing is rolled back and a preempted request
-keeps its tree. Proposals are deterministic: the rejection sampler treats them as one-hot.
+keeps its index. Proposals are deterministic: the rejection sampler treats them as one-hot.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals
 from specray.scheduler.proposal_choice import ScoreRecord
 from specray.scheduler.sequence import Sequence
+from specray.workers.sequence_matches import SequenceMatches
 from specray.workers.suffix_tree import Candidate, SuffixTree
 
 # Bytes of one tree node as CPython holds it (its count, its slot in the children list,
@@ -42,13 +44,13 @@ NODE_BYTES = 8 + 8 + sys.getsizeof({0: 1}) + 8
 class SuffixProposer:
     def __init__(self, speculation: SpeculationConfig) -> None:
         self.spec = speculation
-        self.requests: dict[int, SuffixTree] = {}
+        self.requests: dict[int, SequenceMatches] = {}
         self.cache = SuffixTree(speculation.suffix_max_depth)
         self._order: deque[int] = deque()           # cached requests, oldest first
-        # Per tree, how far its stated scores held; a proposal's score is its path's
-        # chances times its tree's calibration.
+        # Per source, how far its stated scores held; a proposal's score is its path's
+        # chances times its source's calibration.
         self.records = {"own": ScoreRecord(), "global": ScoreRecord()}
-        self._proposed: dict[int, tuple[str, float]] = {}   # seq id -> its last proposal's tree and chances
+        self._proposed: dict[int, tuple[str, float]] = {}   # seq id -> its last proposal's source and chances
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         """Proposals for ``seqs``, each up to its ``proposal_len``, in a ``[n, width]`` grid
@@ -84,15 +86,15 @@ class SuffixProposer:
             r.fade()
 
     def _candidate(self, seq: Sequence) -> tuple[str, Candidate | None]:
-        tree = self.requests.get(seq.seq_id)
-        if tree is None:
-            tree = self.requests[seq.seq_id] = SuffixTree(self.spec.suffix_max_depth)
-        known = tree.num_tokens
+        own = self.requests.get(seq.seq_id)
+        if own is None:
+            own = self.requests[seq.seq_id] = SequenceMatches(self.spec.suffix_max_depth)
+        known = own.num_tokens
         if known < seq.num_tokens:
-            tree.extend(seq.seq_id, seq.tokens[known:])
+            own.extend(seq.tokens[known:])
         spec = self.spec
         n, min_prob, factor = seq.proposal_len, spec.suffix_min_prob, spec.suffix_spec_factor
-        cands = [("own", tree.speculate_own(seq.seq_id, n, min_prob, factor))]
+        cands = [("own", own.speculate(n, min_prob, factor))]
         if self.cache.num_nodes:
             cands.append(("global", self.cache.speculate(seq.tokens[-spec.suffix_max_depth:], n, min_prob, factor)))
         cands = [(src, c) for src, c in cands if c is not None]
@@ -100,7 +102,7 @@ class SuffixProposer:
 
     def finished(self, seq: Sequence) -> None:
         """A request ended with its output: the output joins the global tree (the
-        oldest cached requests leave to make room) and its own tree goes."""
+        oldest cached requests leave to make room) and its own index goes."""
         self.requests.pop(seq.seq_id, None)
         self._proposed.pop(seq.seq_id, None)
         if self.spec.suffix_cache_requests == 0:
@@ -108,7 +110,7 @@ class SuffixProposer:
         # Its output, after as much of its prompt as a match can reach: what later requests
         # repeat is what a request emitted, and its prompt's tail is how they get there
         # (a retried prompt ends the same way). The whole prompt would cost as many nodes
-        # again, for matches the requests' own trees find.
+        # again, for matches the requests' own indexes find.
         self.cache.extend(seq.seq_id, list(seq.tokens[max(0, seq.prompt_len - self.spec.suffix_max_depth + 1):]))
         self._order.append(seq.seq_id)
         while self._order and (len(self._order) > self.spec.suffix_cache_requests
@@ -122,6 +124,7 @@ class SuffixProposer:
             self._proposed.pop(sid, None)
 
     def stats(self) -> dict:
-        nodes = self.cache.num_nodes + sum(t.num_nodes for t in self.requests.values())
+        own = self.requests.values()
         return {"suffix_cached_requests": len(self._order), "suffix_cache_nodes": self.cache.num_nodes,
-                "suffix_request_nodes": nodes - self.cache.num_nodes, "suffix_tree_bytes": nodes * NODE_BYTES}
+                "suffix_request_tokens": sum(m.num_tokens for m in own),
+                "suffix_tree_bytes": self.cache.num_nodes * NODE_BYTES + sum(m.num_bytes for m in own)}

@@ -19,8 +19,9 @@ exactly its last 1..M tokens for one M, which ``longest_match`` finds by bisecti
 ``speculate`` follows, from the longest matched path that continues, the child seen
 most often while the chance of the path so far (the product of child count over parent
 count) stays at least ``min_prob``; its score is the sum of those chances, the expected
-number of tokens a verifier accepts if the counts are right. A sequence's own tree needs
-no walk to find its matches (``speculate_own``: they are its active nodes).
+number of tokens a verifier accepts if the counts are right. (A request's own tokens are
+matched by ``SequenceMatches``, which proposes what a tree of that one sequence would
+without building it.)
 
 Nodes are integer ids into flat arrays (counts in an ``array``, children in dicts of
 ``int -> int``), not one Python object each: a global tree holds hundreds of thousands
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from functools import lru_cache
 
 ROOT = 0
 
@@ -42,6 +44,18 @@ class Candidate:
     tokens: list[int]
     score: float              # expected tokens accepted: the sum of the path's chances
     match_len: int
+
+
+@lru_cache(maxsize=None)
+def match_room(max_depth: int, max_tokens: int, factor: float) -> int:
+    """The longest match worth following when a match of m tokens may propose
+    ``min(max_tokens, m * factor)`` and a path holds at most ``max_depth`` tokens (so
+    ``max_depth - m`` past the match): the longest m that still reaches the most any m
+    could propose. A long repeat is matched no further than that, so that its path has
+    room to continue; with ``max_tokens`` at or past ``max_depth`` it still proposes (about
+    ``max_depth / (1 + factor) * factor`` tokens a step)."""
+    best = max(min(max_tokens, int(m * factor + 1e-9), max_depth - m) for m in range(1, max_depth))
+    return max_depth - best if best > 0 else max_depth - 1
 
 
 class SuffixTree:
@@ -56,7 +70,6 @@ class SuffixTree:
         self._free: list[int] = []                # ids of removed nodes, for reuse
         self._seqs: dict[object, list[int]] = {}
         self._active: dict[object, list[int]] = {}
-        self._rooms: dict[tuple[int, float], int] = {}   # (max_tokens, factor) -> match_room
 
     def tokens(self, key) -> list[int]:
         return self._seqs[key]
@@ -130,21 +143,6 @@ class SuffixTree:
                 hi = mid - 1
         return lo
 
-    def match_room(self, max_tokens: int, factor: float) -> int:
-        """The longest match worth following when a match of m tokens may propose
-        ``min(max_tokens, m * factor)`` and a path holds at most ``max_depth`` tokens (so
-        ``max_depth - m`` past the match): the longest m that still reaches the most any m
-        could propose. A long repeat is matched no further than that, so that its path
-        has room to continue; with ``max_tokens`` at or past ``max_depth`` it still
-        proposes (about ``max_depth / (1 + factor) * factor`` tokens a step)."""
-        key = (max_tokens, factor)
-        room = self._rooms.get(key)
-        if room is None:
-            depth = self.max_depth
-            best = max(min(max_tokens, int(m * factor + 1e-9), depth - m) for m in range(1, depth))
-            room = self._rooms[key] = depth - best if best > 0 else depth - 1
-        return room
-
     def speculate(self, context: list[int], max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         """The continuation of ``context``'s longest match that continues (at most
         ``match_room`` tokens, so that a path has room to continue): a match of m tokens
@@ -154,21 +152,10 @@ class SuffixTree:
         when nothing matches or nothing passes ``min_prob``."""
         if max_tokens <= 0:
             return None
-        room = self.match_room(max_tokens, factor)
+        room = match_room(self.max_depth, max_tokens, factor)
         longest = self.longest_match(context[max(len(context) - room, 0):])
         return self._follow(range(longest, 0, -1),
                             lambda m: self._walk(context[len(context) - m:]), max_tokens, min_prob, factor)
-
-    def speculate_own(self, key, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
-        """``speculate`` on sequence ``key``'s own tokens, in a tree that holds them: its
-        active nodes are its matches already, so nothing is walked. Its own occurrence
-        counts in every chance (its current end has no continuation), the earlier ones
-        give the continuations."""
-        if max_tokens <= 0:
-            return None
-        active = self._active.get(key) or []
-        longest = min(len(active), self.max_depth - 1, self.match_room(max_tokens, factor))
-        return self._follow(range(longest, 0, -1), lambda m: active[m - 1], max_tokens, min_prob, factor)
 
     def _follow(self, lengths, node_of, max_tokens: int, min_prob: float, factor: float) -> Candidate | None:
         count, children = self._count, self._children

@@ -90,19 +90,6 @@ def test_a_sequence_matches_its_own_earlier_occurrences():
     assert got.tokens == [6, 1] and got.score == pytest.approx(0.5 + 0.5)
 
 
-def test_own_speculation_reads_the_active_nodes_as_a_walk_would_find_them():
-    rng = random.Random(3)
-    for _ in range(300):
-        t = SuffixTree(rng.choice([3, 5, 8]))
-        t.extend("other", [rng.randrange(4) for _ in range(rng.randrange(0, 20))])
-        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        cut = rng.randrange(len(toks) + 1)
-        t.extend("own", toks[:cut])
-        t.extend("own", toks[cut:])               # grown in two steps, as a request is
-        args = (rng.randrange(0, 6), rng.choice([0.05, 0.3, 0.6]), rng.choice([0.5, 1.0, 2.0]))
-        assert t.speculate_own("own", *args) == t.speculate(toks, *args)
-
-
 def test_bad_depth_is_refused():
     with pytest.raises(ValueError, match="max_depth"):
         SuffixTree(1)
