@@ -72,7 +72,7 @@ class Engine:
         outcome.times.step_s = self.clock() - t0
         if self.suffix is not None and not self.suffix_beside_drafts:
             for v in outcome.verdicts:
-                self.suffix.observe(v.seq_id, v.proposed, v.accepted)
+                self.suffix.observe(v.seq_id, v.tokens)
         out = self.scheduler.update(outcome)
         if self.suffix is not None:
             for seq, _ in out:
@@ -196,11 +196,13 @@ class Engine:
 
     def _account_choices(self, shards: list[Shard], chosen: dict[int, Proposals], verdicts_: list[Verdict],
                          outcome: StepOutcome) -> None:
-        """Each proposer's record over its proposals that were verified, and, where suffix
+        """The draft's record over its proposals that were verified; suffix decoding's over
+        all its proposals, verified or not (``SuffixProposer.observe``); and, where suffix
         decoding's was verified instead of the draft's, how many of the draft's cached
         proposals still hold (``StepOutcome.draft_kept``)."""
         drafts = {sid: (p, r) for p, _ in shards if not p.scores for r, sid in enumerate(p.seq_ids)}
         for v in verdicts_:
+            self.suffix.observe(v.seq_id, v.tokens)
             own = drafts.get(v.seq_id)
             if own is None:
                 continue
@@ -208,7 +210,6 @@ class Engine:
             if chosen.get(v.seq_id) is shard:
                 self.draft_record.observe(v.proposed, v.accepted)
                 continue
-            self.suffix.observe(v.seq_id, v.proposed, v.accepted)
             n = shard.proposal_lens[row]
             cached = shard.token_ids[row * shard.width:row * shard.width + max(n - 1, 0)]
             # The draft is always fed at least the last emitted token (it needs its logits),

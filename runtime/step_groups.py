@@ -127,7 +127,7 @@ class GroupEngine(Engine):
         outcome.times.step_s = self.clock() - t0
         if self.suffix is not None and not self.suffix_beside_drafts:
             for v in outcome.verdicts:
-                self.suffix.observe(v.seq_id, v.proposed, v.accepted)
+                self.suffix.observe(v.seq_id, v.tokens)
         out = sched.update(outcome)
         for r in stale:
             for seq in step.draft_seqs[r]:

@@ -609,7 +609,7 @@ class FakeSuffix:
     def __init__(self, harness: "Harness") -> None:
         self.h = harness
         self.finished_ids: list[int] = []
-        self.observed: list[tuple[int, int, int]] = []     # verdicts on its verified proposals
+        self.observed: list[tuple[int, tuple[int, ...]]] = []     # the emitted tokens it heard of
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         width = max((s.proposal_len for s in seqs), default=0)
@@ -633,8 +633,8 @@ class FakeSuffix:
     def forget(self, seq_ids) -> None:
         pass
 
-    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
-        self.observed.append((seq_id, proposed, accepted))
+    def observe(self, seq_id: int, emitted: tuple[int, ...]) -> None:
+        self.observed.append((seq_id, emitted))
 
     def ceiling(self) -> float:
         return 1.0          # its scores never pass 0.9 a token: it always proposes

@@ -101,7 +101,7 @@ class SequenceMatches:
         """From the path of m tokens ending at ``ends`` (ascending), the continuation seen
         most often, token by token, while the path's chance stays at least ``min_prob``."""
         seq, last = self.tokens, len(self.tokens) - 1
-        tokens, score, p = [], 0.0, 1.0
+        tokens, chances, p = [], [], 1.0
         while len(tokens) < limit and m + len(tokens) < self.max_depth:
             seen: dict[int, int] = {}
             for end in ends:
@@ -115,6 +115,6 @@ class SequenceMatches:
             if p < min_prob:
                 break
             tokens.append(t)
-            score += p
+            chances.append(p)
             ends = [end + 1 for end in ends if end < last and seq[end + 1] == t]
-        return Candidate(tokens, score, m) if tokens else None
+        return Candidate(tokens, chances, m) if tokens else None

@@ -31,7 +31,7 @@ from collections import deque
 
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals
-from specray.scheduler.proposal_choice import ScoreRecord
+from specray.scheduler.proposal_choice import ScoreRecord, common_prefix
 from specray.scheduler.sequence import Sequence
 from specray.workers.sequence_matches import SequenceMatches
 from specray.workers.suffix_tree import Candidate, SuffixTree
@@ -50,7 +50,7 @@ class SuffixProposer:
         # Per source, how far its stated scores held; a proposal's score is its path's
         # chances times its source's calibration.
         self.records = {"own": ScoreRecord(), "global": ScoreRecord()}
-        self._proposed: dict[int, tuple[str, float]] = {}   # seq id -> its last proposal's source and chances
+        self._proposed: dict[int, tuple[str, Candidate]] = {}   # seq id -> its last proposal, and whence
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         """Proposals for ``seqs``, each up to its ``proposal_len``, in a ``[n, width]`` grid
@@ -65,16 +65,27 @@ class SuffixProposer:
             tokens += found + [-1] * (width - len(found))
             scores.append(cand.score * self.records[source].calibration if cand is not None else 0.0)
             if cand is not None:
-                self._proposed[seq.seq_id] = (source, cand.score)
+                self._proposed[seq.seq_id] = (source, cand)
+            else:
+                self._proposed.pop(seq.seq_id, None)
         return Proposals(step_id=step_id, width=width, has_probs=False, compute_s=time.perf_counter() - t0,
                          seq_ids=[s.seq_id for s in seqs], proposal_lens=lens, token_ids=tokens, scores=scores)
 
-    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """The verdict on ``seq_id``'s last proposal, where it was the one verified."""
+    def observe(self, seq_id: int, emitted) -> None:
+        """The target emitted ``emitted`` for ``seq_id`` this step: its last proposal is
+        judged against them whether it was verified or another proposer's was. Where the
+        draft's was, the emitted tokens are the target's own (its greedy tokens, or a draw
+        from its distribution: the rejection sampler is lossless), and a one-hot proposal
+        is accepted exactly as far as it agrees with such tokens, so each step judges every
+        proposal, not only the ones chosen. Past the emitted tokens nothing is known: a
+        proposal that agrees with all of them counts as one of that length."""
         last = self._proposed.pop(seq_id, None)
-        if last is not None and proposed:
-            source, score = last
-            self.records[source].observe(score, accepted)
+        if last is None or not emitted:
+            return
+        source, cand = last
+        agreed = common_prefix(cand.tokens, emitted)
+        judged = agreed if agreed == len(emitted) else len(cand.tokens)
+        self.records[source].observe(sum(cand.chances[:judged]), agreed)
 
     def ceiling(self) -> float:
         """The most a proposal of n tokens can score is n times this."""

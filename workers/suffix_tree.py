@@ -42,8 +42,13 @@ ROOT = 0
 @dataclass
 class Candidate:
     tokens: list[int]
-    score: float              # expected tokens accepted: the sum of the path's chances
+    chances: list[float]      # per token, the chance of the path up to it
     match_len: int
+
+    @property
+    def score(self) -> float:
+        """Tokens expected to be accepted: the sum of the path's chances."""
+        return sum(self.chances)
 
 
 @lru_cache(maxsize=None)
@@ -164,17 +169,17 @@ class SuffixTree:
             if limit <= 0:
                 return None                   # shorter matches may propose less still
             node = node_of(m)
-            tokens, score, p = [], 0.0, 1.0
+            tokens, chances, p = [], [], 1.0
             while len(tokens) < limit and children[node]:
                 t, child = max(children[node].items(), key=lambda kv: count[kv[1]])
                 p *= count[child] / count[node]
                 if p < min_prob:
                     break
                 tokens.append(t)
-                score += p
+                chances.append(p)
                 node = child
             if tokens:
-                return Candidate(tokens, score, m)
+                return Candidate(tokens, chances, m)
         return None
 
     def _walk(self, path: list[int]) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specray.scheduler.config import SpeculationConfig
+from specray.scheduler.proposal_choice import ScoreRecord
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.sequence import Sequence
 from specray.workers.suffix_proposer import SuffixProposer
@@ -45,21 +46,48 @@ def test_the_global_tree_keeps_outputs_after_the_prompt_tail_a_match_can_reach()
     assert rows(sp.propose(1, [seq(3, [9, 1, 2], proposal_len=2)]))[0] == []     # the prompt's head is not kept
 
 
-def test_each_tree_is_trusted_as_far_as_its_verified_scores_held():
+def test_each_source_is_trusted_as_far_as_its_proposals_agreed_with_the_target():
     sp = proposer()
     sp.finished(seq(1, [1, 2, 3, 4, 5], prompt_len=1))
     s = seq(2, [7, 1, 2, 3, 8, 1, 2, 3], proposal_len=2)
     p = sp.propose(1, [s])                   # the global tree: 1 2 3 -> 4 5, chances 1; its own: 8 at 1/2
     assert rows(p)[0] == [4, 5] and p.scores[0] == pytest.approx(2.0)
     for _ in range(30):
-        # verified: the global tree's proposals are all rejected, the own tree's all held
-        sp.observe(2, 2, 0 if rows(sp.propose(1, [s]))[0] == [4, 5] else 2)
+        # The target goes on as the request itself did before: the global tree's proposal
+        # is wrong from its first token, the request's own right (verified or not).
+        sp.propose(1, [s])
+        sp.observe(2, (8, 1, 9))
     p = sp.propose(1, [s])
     assert rows(p)[0] == [8, 1] and sp.records["global"].calibration < 0.5
     assert sp.records["own"].calibration == pytest.approx(sp.ceiling()) and sp.ceiling() > 1.0
-    before = sp.records["own"].calibration
-    sp.observe(2, 0, 0)                      # nothing was verified: nothing learnt
-    assert sp.records["own"].calibration == before
+    before = dict(vars(sp.records["own"]))
+    sp.observe(2, ())                        # nothing emitted: nothing learnt
+    sp.observe(2, (8, 1, 9))                 # no proposal pending any more: nothing learnt
+    assert vars(sp.records["own"]) == before
+
+
+def test_a_proposal_is_judged_as_far_as_the_emitted_tokens_reach():
+    """Tokens that disagree judge the whole proposal; tokens that all agree, fewer than it
+    proposed, judge it as a proposal of their length (past them nothing is known)."""
+    sp = proposer(suffix_max_depth=8)
+    sp.finished(seq(1, [1, 2, 3, 4, 5, 6, 7, 8], prompt_len=1))
+    sp.finished(seq(2, [1, 2, 3, 4, 5, 6, 9, 9], prompt_len=1))
+    s = seq(3, [0, 1, 2, 3, 4], proposal_len=4)    # proposes 5 6 (chances 1), then 7 or 9 (1/2) and on
+    ref = ScoreRecord()
+    for emitted, stated, agreed in [((5, 0), [1, 1, .5, .5], 1),     # wrong at its second token
+                                    ((5,), [1], 1),                   # right, as far as anyone knows
+                                    ((5, 6, 7, 8, 1), [1, 1, .5, .5], 4),
+                                    ((5, 6), [1, 1], 2)]:
+        p = sp.propose(1, [s])
+        assert rows(p)[0] == [5, 6, 7, 8] and p.scores == [pytest.approx(3.0 * sp.records["global"].calibration)]
+        sp.observe(3, emitted)
+        ref.observe(sum(stated), agreed)
+        assert vars(sp.records["global"]) == pytest.approx(vars(ref))
+    # A step that found no proposal leaves nothing to judge.
+    sp.propose(1, [s])
+    sp.propose(1, [seq(3, [0, 50, 51], proposal_len=4)])
+    sp.observe(3, (5, 6))
+    assert vars(sp.records["global"]) == pytest.approx(vars(ref))
 
 
 def test_a_request_proposes_from_its_own_repeats_and_keeps_its_tree_as_it_grows():
