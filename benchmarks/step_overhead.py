@@ -5,7 +5,8 @@
 
 Layouts: co-located (driver, draft and target in one actor), single node (the actor
 layout: the driver's actor hosting the target, a draft actor beside it, on one node) with
-two groups in flight (the default), one group, and compiled graph channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
+two groups in flight (the default), one group, the draft reached over Ray actor calls
+instead of its link, and compiled graph channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
 their own nodes, both ways). Each reports, per step and batch size: wall time, the draft
 and verify workers' own compute, messaging (the rest of those calls: the hops), and the
 driver's own overhead (scheduling, merge, update), medians over the repeats.
@@ -18,7 +19,7 @@ import json
 import statistics
 
 COLS = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
-SINGLE = ("co-located", "single node", "single node 1 group", "compiled")
+SINGLE = ("co-located", "single node", "single node ray calls", "single node 1 group", "compiled")
 MULTI = ("multi-node", "multi compiled")
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     base = dict(target=args.target, draft=args.draft, num_speculative_tokens=args.k, device="cpu", dtype="float32",
                 max_num_seqs=max(sizes))
     kinds = {"co-located": {"layout": "colocated"}, "single node": {"layout": "actors"},
+             "single node ray calls": {"layout": "actors", "draft_link": False},
              "single node 1 group": {"layout": "actors", "groups_in_flight": 1},
              "compiled": {"layout": "actors", "compiled_graph": True}}
     results = {}

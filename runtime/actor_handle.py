@@ -3,18 +3,24 @@ its compiled-graph channel; and what every worker actor answers besides its step
 
 A worker actor is restarted by Ray when it dies (``max_restarts``); meanwhile ``wait``
 raises ``WorkerLost`` and ``alive`` watches, without blocking, for it to answer again.
+Step calls go as Ray actor calls, over a compiled graph's channel, or on the actor's own
+socket (``specray.runtime.worker_link``).
 Plans travel as msgpack bytes and are decoded without their cross-field checks: the
 workers' entry points run those for every caller, once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from specray.runtime.compiled_channel import CompiledChannel
+from specray.runtime.worker_link import Link, LinkCall, LinkLost
 from specray.runtime.worker_call import WorkerLost
 from specray.scheduler.messages import StepPlan, encode
 from specray.workers.errors import StaleCacheError
+
+log = logging.getLogger(__name__)
 
 
 class WorkerActor:
@@ -56,8 +62,13 @@ class ActorHandle:
     step_method = ""
     warm_up_args: tuple = ()
 
-    def __init__(self, actor, max_restarts: int, compiled: bool = False) -> None:
+    def __init__(self, actor, max_restarts: int, compiled: bool = False, link: bool = False) -> None:
+        """``link``: step calls on the actor's own socket (``specray.runtime.worker_link``)
+        where it can be reached, Ray calls otherwise; not with ``compiled``."""
         self.actor = actor
+        self.link: Link | None = None
+        self._link_wanted = link and not compiled
+        self._link_failed = False
         self.max_restarts = max_restarts   # -1: Ray restarts it forever
         self.losses = 0
         self._ready = None        # a ready() call in flight while the actor is lost
@@ -87,15 +98,48 @@ class ActorHandle:
     def compiled(self) -> bool:
         return self.channel is not None and self.channel.live
 
+    def linked(self) -> bool:
+        """Whether its steps go on its link now."""
+        return self.link is not None and not self.link.closed
+
+    def _linked(self) -> Link | None:
+        """The actor's link, opened on first use and again after a restart; None where
+        links are off or its address cannot be reached (then Ray calls, for good). Raises
+        Ray's error when the actor is down: the call fails as a Ray call to it would."""
+        if not self._link_wanted or self._link_failed:
+            return None
+        if self.link is None or self.link.closed:
+            import ray
+
+            address, token = ray.get(self.actor.open_link.remote())
+            try:
+                self.link = Link(address, token)
+            except OSError as e:
+                log.warning("worker link to %s:%s unreachable, using Ray actor calls: %s", *address, e)
+                self._link_failed = True
+                return None
+        return self.link
+
+    def _send(self, op: str, data: bytes | None = None, arg=None):
+        """A link call, or None (no link: use a Ray call), or the error that stopped it
+        (``wait`` raises it as the call's)."""
+        try:
+            link = self._linked()
+            return link.send(op, data, arg) if link is not None else None
+        except Exception as e:   # noqa: BLE001 - the actor is down or the link broke: ``_get`` sorts it out
+            return e
+
     def warm_up(self) -> None:
-        """Build the graph and run an empty step through it: a fresh graph's first
-        execution may take seconds, which belong to startup, not to a request."""
-        if self.channel is not None:
+        """Build the graph (or open the link) and run an empty step through it: a fresh
+        graph's first execution may take seconds, which belong to startup, not to a request."""
+        if self.channel is not None or self._link_wanted:
             self.wait(self.submit(StepPlan(), *self.warm_up_args))
 
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
+        if self.link is not None:
+            self.link.close()
 
     def _get(self, ref):
         import ray
@@ -103,10 +147,14 @@ class ActorHandle:
         try:
             if isinstance(ref, BaseException):
                 raise ref
-            got = CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+            if isinstance(ref, LinkCall):
+                got = ref.result()
+            else:
+                got = CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
             self._sent.pop(id(ref), None)
             return got
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError) as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError,
+                LinkLost) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
             # A lost call or an empty restarted worker: either way one death (a worker
@@ -119,6 +167,8 @@ class ActorHandle:
             self.losses += 1
             if self.channel is not None:
                 self.channel.close()
+            if self.link is not None:
+                self.link.close()
             self._ask()
             raise WorkerLost(str(e)) from None
 

@@ -4,14 +4,19 @@
 Draft probabilities are a second return value, so the driver receives an ObjectRef it
 hands to the target worker without fetching the tensor. With overlap the handle also
 asks for pre-drafts (``PredraftCall``): an actor runs its calls one after another, in the
-order submitted, so a pre-draft runs right after the window it drafts past.
+order submitted, so a pre-draft runs right after the window it drafts past. With a link
+(``specray.runtime.worker_link``) every call goes on the actor's own socket instead, in
+the same order, and probabilities come back as tensors.
 """
 
 from __future__ import annotations
 
+import threading
+
 import ray
 
 from specray.runtime.actor_handle import ActorHandle, WorkerActor, reply
+from specray.runtime.worker_link import LinkServer
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import Predraft, Proposals, StepPlan, decode, encode
 from specray.workers.config import ModelConfig
@@ -25,6 +30,9 @@ class DraftActor(WorkerActor):
         from specray.workers.draft_worker import DraftWorker
 
         self.worker = DraftWorker(model, cache)
+        # Calls arrive on Ray's thread and on the link's: one at a time reaches the worker.
+        self._lock = threading.Lock()
+        self._link: LinkServer | None = None
 
     @ray.method(num_returns=2)
     def propose_msg(self, data: bytes):
@@ -32,15 +40,36 @@ class DraftActor(WorkerActor):
 
     def propose_step(self, data: bytes) -> tuple[bytes, object]:
         """One return value, for a compiled graph's channel."""
-        return reply(*self.worker.propose(decode(data, StepPlan, validate=False)))
+        return reply(*self._call("propose", data, None))
 
     @ray.method(num_returns=2)
     def predraft_msg(self, step_id: int):
-        return reply(*self.worker.predraft(step_id))
+        return reply(*self._call("predraft", None, step_id))
 
     @ray.method(num_returns=2)
     def adopt_msg(self, data: bytes, chosen: list[int]):
-        return reply(*self.worker.adopt(decode(data, StepPlan, validate=False), chosen))
+        return reply(*self._call("adopt", data, chosen))
+
+    def open_link(self) -> tuple[tuple[str, int], bytes]:
+        """The address and token of this actor's link (``worker_link``), opened once."""
+        if self._link is None:
+            self._link = LinkServer(lambda op, data, arg: _encoded(*self._call(op, data, arg)),
+                                    ray.util.get_node_ip_address())
+        return self._link.address, self._link.token
+
+    def _call(self, op: str, data: bytes | None, arg):
+        with self._lock:
+            if op == "propose":
+                return self.worker.propose(decode(data, StepPlan, validate=False))
+            if op == "predraft":
+                return self.worker.predraft(arg)
+            if op == "adopt":
+                return self.worker.adopt(decode(data, StepPlan, validate=False), arg)
+        raise ValueError(f"a draft worker has no call {op!r}")
+
+
+def _encoded(message, probs):
+    return encode(message), probs
 
 
 RemoteDraftActor = ray.remote(DraftActor)
@@ -51,6 +80,9 @@ class DraftHandle(ActorHandle):
 
     def submit(self, plan):
         data = encode(plan)
+        call = self._send("propose", data)
+        if call is not None:
+            return self._stamp(call)
         ref = self._execute(data) if self._on_channel else None
         if ref is not None:
             return self._stamp(ref)
@@ -58,18 +90,23 @@ class DraftHandle(ActorHandle):
         return self._stamp(ref), probs
 
     def wait(self, handle):
-        if not isinstance(handle, tuple):     # a compiled graph's one value (or its error)
+        if not isinstance(handle, tuple):     # a channel's or a link's one value (or its error)
             data, probs = self._get(handle)
             return decode(data, Proposals), probs
         ref, probs_ref = handle
         return decode(self._get(ref), Proposals), probs_ref
 
     def submit_predraft(self, step_id: int):
-        return self.actor.predraft_msg.remote(step_id)
+        call = self._send("predraft", None, step_id)
+        return call if call is not None else self.actor.predraft_msg.remote(step_id)
 
     def submit_adopt(self, plan: StepPlan, chosen: list[int]):
-        return self.actor.adopt_msg.remote(encode(plan), list(chosen))
+        call = self._send("adopt", encode(plan), list(chosen))
+        return call if call is not None else self.actor.adopt_msg.remote(encode(plan), list(chosen))
 
     def wait_predraft(self, handle):
+        if not isinstance(handle, tuple):
+            data, probs = self._get(handle)
+            return decode(data, Predraft), probs
         ref, probs_ref = handle
         return decode(self._get(ref), Predraft), probs_ref

@@ -501,6 +501,8 @@ class DriverCore:
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a compiled graph's channel right now
                  num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
+                 # and over a link of their own (``worker_link``)
+                 num_linked_workers=sum(getattr(c, "linked", bool)() for c in self.pool.verifiers + self.pool.proposers),
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  layout=self.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),

@@ -245,11 +245,12 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
     verifiers = [TargetHandle(a, restarts, cluster.compiled_graph) for a in targets]
     if local is not None:
         verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *_values(probs))))
-    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph) for a in drafts]
+    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph, link=cluster.draft_link) for a in drafts]
     pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
                       local_workers=[local] if local is not None else [])
     pool.proposers += _host_proposers(cfg, pool)
-    if cluster.compiled_graph:
+    if cluster.compiled_graph or cluster.draft_link:
+        # Channels are built and links opened now, not in a request's first step.
         try:
             for call in verifiers + remote_proposers:
                 if not getattr(call, "inline", False):

@@ -64,11 +64,12 @@ def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
     return [streamed] + [o.token_ids for o in batch]
 
 
-def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected):
-    """Over compiled graphs: the dead worker's graph is closed, and a new one is built once
-    Ray has restarted it. (Over classic actor calls, workers die in the other tests here
-    and in the multi-node node-loss tests.)"""
-    rt = start_runtime(llama_pair, max_worker_restarts=2, compiled_graph=True)
+@pytest.mark.parametrize("channel", ["link", "compiled"])
+def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected, channel):
+    """Over its link (the default) or a compiled graph: the dead worker's link or graph is
+    closed, and a new one is opened once Ray has restarted it. (Over Ray actor calls, the
+    next test.)"""
+    rt = start_runtime(llama_pair, max_worker_restarts=2, compiled_graph=channel == "compiled")
     try:
         (victim,) = alive_pids("DraftActor")
         assert kill_mid_generation(rt, victim) == expected
@@ -89,7 +90,8 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
         assert [o.token_ids for o in again] == [e[:40] for e in expected[:2]]
         after = rt.metrics()
         assert after["num_draft_tokens"] > before and after["draft_workers_down"] == []
-        assert after["num_compiled_workers"] == 1      # the draft's; the target is in the driver
+        # The draft's; the target is in the driver.
+        assert (after["num_compiled_workers"], after["num_linked_workers"]) == ((1, 0) if channel == "compiled" else (0, 1))
     finally:
         rt.shutdown()
 
@@ -119,8 +121,10 @@ def actor_states(cls: str) -> list[str]:
 
 
 def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair, expected):
-    rt = start_runtime(llama_pair, max_worker_restarts=0)
+    """Over Ray actor calls (no link)."""
+    rt = start_runtime(llama_pair, max_worker_restarts=0, draft_link=False)
     try:
+        assert rt.metrics()["num_linked_workers"] == 0
         (victim,) = alive_pids("DraftActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()

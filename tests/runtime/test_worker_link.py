@@ -1,0 +1,114 @@
+"""The worker link (runtime/worker_link.py) without Ray: calls answered in the order sent,
+read in any order; tensors of any dtype intact; a worker's error reported and the link
+serving on; an empty restart and a closed worker are a lost link; no token, no service."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from specray.runtime.worker_link import Link, LinkCallError, LinkLost, LinkServer
+from specray.workers.errors import StaleCacheError
+
+
+class Worker:
+    """Answers ``op`` with its arguments back, a tensor where asked, and remembers the order."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, op, data, arg):
+        self.release.wait(10)
+        self.seen.append(arg)
+        if op == "fail":
+            raise ValueError(f"bad plan {arg}")
+        if op == "stale":
+            raise StaleCacheError("restarted empty")
+        tensor = None
+        if op == "tensor":
+            dtype, shape = arg
+            tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(getattr(torch, dtype))
+        return data + b"!", tensor
+
+
+@pytest.fixture
+def served():
+    worker = Worker()
+    server = LinkServer(worker, "127.0.0.1")
+    yield worker, server
+    server.close()
+
+
+def test_replies_come_in_the_order_sent_and_are_read_in_any_order(served):
+    worker, server = served
+    link = Link(server.address, server.token)
+    worker.release.clear()                 # three calls queue up behind the first
+    calls = [link.send("echo", f"m{i}".encode(), i) for i in range(3)]
+    worker.release.set()
+    assert calls[2].result() == (b"m2!", None)      # read past the first two, kept for them
+    assert calls[0].result() == (b"m0!", None) and calls[1].result() == (b"m1!", None)
+    assert worker.seen == [0, 1, 2]
+    link.close()
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", [2, 3, 5]), ("bfloat16", [1, 4, 7]), ("float16", [0, 4, 7])])
+def test_a_reply_tensor_arrives_intact(served, dtype, shape):
+    _, server = served
+    link = Link(server.address, server.token)
+    message, tensor = link.send("tensor", b"p", (dtype, shape)).result()
+    expected = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(getattr(torch, dtype))
+    assert message == b"p!" and tensor.dtype == expected.dtype and torch.equal(tensor, expected)
+    link.close()
+
+
+def test_a_workers_error_fails_that_call_and_the_link_serves_on(served):
+    _, server = served
+    link = Link(server.address, server.token)
+    bad, good = link.send("fail", b"", 7), link.send("echo", b"x", 8)
+    with pytest.raises(LinkCallError, match="ValueError: bad plan 7"):
+        bad.result()
+    assert good.result() == (b"x!", None)
+    link.close()
+
+
+def test_an_empty_restart_loses_the_link(served):
+    _, server = served
+    link = Link(server.address, server.token)
+    stale, after = link.send("stale", b"", 1), link.send("echo", b"x", 2)
+    with pytest.raises(LinkLost, match="restarted empty"):
+        stale.result()
+    with pytest.raises(LinkLost):          # the link is closed: every call on it is lost
+        after.result()
+    with pytest.raises(LinkLost):
+        link.send("echo", b"y", 3)
+
+
+def test_a_worker_that_goes_away_fails_the_call_in_flight_at_once():
+    accepted = []
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def accept_and_die():
+        conn, _ = srv.accept()
+        accepted.append(conn)
+        conn.recv(64)                      # the token and the call, then the process "dies"
+        conn.close()
+    threading.Thread(target=accept_and_die, daemon=True).start()
+    link = Link(srv.getsockname(), b"t" * 16)
+    call = link.send("echo", b"x", 1)
+    with pytest.raises(LinkLost):
+        call.result()
+    srv.close()
+
+
+def test_a_connection_without_the_token_is_not_served(served):
+    worker, server = served
+    link = Link(server.address, b"\0" * 16)
+    call = link.send("echo", b"x", 1)
+    with pytest.raises(LinkLost):
+        call.result()
+    assert worker.seen == []
