@@ -66,26 +66,24 @@ def test_a_reply_tensor_arrives_intact(served, dtype, shape):
     link.close()
 
 
-def test_a_workers_error_fails_that_call_and_the_link_serves_on(served):
+@pytest.mark.parametrize("op,error,match,serves_on", [
+    ("fail", LinkCallError, "ValueError: bad plan 1", True),      # the worker's error: that call only
+    ("stale", LinkLost, "restarted empty", False),                # an empty restart: the link is lost
+])
+def test_a_failed_call(served, op, error, match, serves_on):
     _, server = served
     link = Link(server.address, server.token)
-    bad, good = link.send("fail", b"", 7), link.send("echo", b"x", 8)
-    with pytest.raises(LinkCallError, match="ValueError: bad plan 7"):
+    bad, after = link.send(op, b"", 1), link.send("echo", b"x", 2)
+    with pytest.raises(error, match=match):
         bad.result()
-    assert good.result() == (b"x!", None)
+    if serves_on:
+        assert after.result() == (b"x!", None)
+    else:
+        with pytest.raises(LinkLost):      # the link is closed: every call on it is lost
+            after.result()
+        with pytest.raises(LinkLost):
+            link.send("echo", b"y", 3)
     link.close()
-
-
-def test_an_empty_restart_loses_the_link(served):
-    _, server = served
-    link = Link(server.address, server.token)
-    stale, after = link.send("stale", b"", 1), link.send("echo", b"x", 2)
-    with pytest.raises(LinkLost, match="restarted empty"):
-        stale.result()
-    with pytest.raises(LinkLost):          # the link is closed: every call on it is lost
-        after.result()
-    with pytest.raises(LinkLost):
-        link.send("echo", b"y", 3)
 
 
 def test_a_worker_that_goes_away_fails_the_call_in_flight_at_once():
