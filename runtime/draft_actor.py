@@ -53,7 +53,7 @@ class DraftActor(WorkerActor):
     def open_link(self) -> tuple[tuple[str, int], bytes]:
         """The address and token of this actor's link (``worker_link``), opened once."""
         if self._link is None:
-            self._link = LinkServer(lambda op, data, arg: _encoded(*self._call(op, data, arg)),
+            self._link = LinkServer(lambda op, data, arg: reply(*self._call(op, data, arg)),
                                     ray.util.get_node_ip_address())
         return self._link.address, self._link.token
 
@@ -66,10 +66,6 @@ class DraftActor(WorkerActor):
             if op == "adopt":
                 return self.worker.adopt(decode(data, StepPlan, validate=False), arg)
         raise ValueError(f"a draft worker has no call {op!r}")
-
-
-def _encoded(message, probs):
-    return encode(message), probs
 
 
 RemoteDraftActor = ray.remote(DraftActor)
@@ -90,23 +86,24 @@ class DraftHandle(ActorHandle):
         return self._stamp(ref), probs
 
     def wait(self, handle):
-        if not isinstance(handle, tuple):     # a channel's or a link's one value (or its error)
-            data, probs = self._get(handle)
-            return decode(data, Proposals), probs
-        ref, probs_ref = handle
-        return decode(self._get(ref), Proposals), probs_ref
+        return self._answer(handle, Proposals)
 
     def submit_predraft(self, step_id: int):
         call = self._send("predraft", None, step_id)
         return call if call is not None else self.actor.predraft_msg.remote(step_id)
 
     def submit_adopt(self, plan: StepPlan, chosen: list[int]):
-        call = self._send("adopt", encode(plan), list(chosen))
-        return call if call is not None else self.actor.adopt_msg.remote(encode(plan), list(chosen))
+        data = encode(plan)
+        call = self._send("adopt", data, list(chosen))
+        return call if call is not None else self.actor.adopt_msg.remote(data, list(chosen))
 
     def wait_predraft(self, handle):
-        if not isinstance(handle, tuple):
+        return self._answer(handle, Predraft)
+
+    def _answer(self, handle, cls):
+        """A call's message as ``cls``, and its probabilities (a tensor, or the ref to hand on)."""
+        if not isinstance(handle, tuple):     # a channel's or a link's one value (or its error)
             data, probs = self._get(handle)
-            return decode(data, Predraft), probs
+            return decode(data, cls), probs
         ref, probs_ref = handle
-        return decode(self._get(ref), Predraft), probs_ref
+        return decode(self._get(ref), cls), probs_ref

@@ -15,9 +15,9 @@ the draft. So a draft actor also serves its step calls on a socket of its own
   call, so only a holder of the actor handle can drive the worker.
 - The actor dying closes the socket: the waiting call fails at once (``LinkLost``), the
   handle counts the death as a lost Ray call would, and opens a new link once Ray has
-  restarted the actor. A worker that answers it is empty (``StaleCacheError``) or an
-  unreachable address (firewall between nodes) are handled as on Ray calls: a lost
-  worker, and Ray calls for good, respectively.
+  restarted the actor. A worker that answers from an empty restart (``StaleCacheError``)
+  is a lost worker, as on Ray calls; an address the driver cannot reach (a firewall
+  between nodes) means Ray calls for good.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _tensor_bytes(t) -> memoryview:
 
 
 class LinkServer:
-    """Serves ``handler(op, data, arg) -> (message bytes, tensor or None)`` on a socket of its
+    """Serves ``handler(op, data, arg) -> (message bytes, host tensor or None)`` on a socket of its
     own, each connection's calls one after another in a thread of its own. The handler
     must be safe to call beside the actor's Ray methods (the caller takes a lock)."""
 
@@ -124,7 +124,6 @@ class LinkServer:
         except Exception as e:   # noqa: BLE001 - reported to the caller, the worker keeps serving
             head = [ERROR, "".join(traceback.format_exception(e))]
         if tensor is not None:
-            tensor = tensor.cpu()
             head += [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), tensor.numel() * tensor.element_size()]
         _send_frame(conn, msgpack.packb(head))
         if tensor is not None and head[-1]:
