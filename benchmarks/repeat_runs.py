@@ -70,6 +70,11 @@ def run_ratios(result: dict) -> dict[str, float]:
         first = runs.get(("specray", "draft", b, "greedy", "static"))
         for lay in ("actors", "colocated", "colocated-all-cores"):
             put(f"b{b} draft / draft@{lay}", first, runs.get(("specray", "draft", b, "greedy", f"static@{lay}")))
+        # Pre-drafting (overlap) over serial, and over each other layout's serial draft.
+        overlap = runs.get(("specray", "draft", b, "greedy", "static+overlap"))
+        put(f"b{b} draft+overlap / draft", overlap, first)
+        for lay in ("colocated", "colocated-all-cores"):
+            put(f"b{b} draft+overlap / draft@{lay}", overlap, runs.get(("specray", "draft", b, "greedy", f"static@{lay}")))
     # Suffix decoding against plain decoding, prompt lookup and the draft alone (static k).
     for b in batches:
         static = {p: runs.get(("specray", p, b, "greedy", "static")) for p in ("suffix", "draft+suffix", "ngram",
