@@ -6,7 +6,8 @@
 Layouts: co-located (driver, draft and target in one actor), single node (the actor
 layout: the driver's actor hosting the target, a draft actor beside it, on one node) with
 two groups in flight (the default), one group, the draft reached over Ray actor calls
-instead of its link, and compiled graph channels, and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
+instead of its link, and compiled graph channels; two target workers (data parallel: one
+hosted, one an actor), over links or Ray calls; and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
 their own nodes, both ways). Each reports, per step and batch size: wall time, the draft
 and verify workers' own compute, messaging (the rest of those calls: the hops), and the
 driver's own overhead (scheduling, merge, update), medians over the repeats.
@@ -19,7 +20,8 @@ import json
 import statistics
 
 COLS = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
-SINGLE = ("co-located", "single node", "single node ray calls", "single node 1 group", "compiled")
+SINGLE = ("co-located", "single node", "single node ray calls", "single node 1 group", "compiled",
+          "2 targets", "2 targets ray calls")
 MULTI = ("multi-node", "multi compiled")
 
 
@@ -66,9 +68,11 @@ def main() -> None:
     base = dict(target=args.target, draft=args.draft, num_speculative_tokens=args.k, device="cpu", dtype="float32",
                 max_num_seqs=max(sizes))
     kinds = {"co-located": {"layout": "colocated"}, "single node": {"layout": "actors"},
-             "single node ray calls": {"layout": "actors", "draft_link": False},
+             "single node ray calls": {"layout": "actors", "worker_link": False},
              "single node 1 group": {"layout": "actors", "groups_in_flight": 1},
-             "compiled": {"layout": "actors", "compiled_graph": True}}
+             "compiled": {"layout": "actors", "compiled_graph": True},
+             "2 targets": {"layout": "actors", "num_target_workers": 2},
+             "2 targets ray calls": {"layout": "actors", "num_target_workers": 2, "worker_link": False}}
     results = {}
     if any(x in SINGLE for x in layouts):
         ray.init(address="local", include_dashboard=False, log_to_driver=False)

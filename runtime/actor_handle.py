@@ -12,10 +12,11 @@ workers' entry points run those for every caller, once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from specray.runtime.compiled_channel import CompiledChannel
-from specray.runtime.worker_link import Link, LinkCall, LinkLost
+from specray.runtime.worker_link import Link, LinkCall, LinkLost, LinkServer
 from specray.runtime.worker_call import WorkerLost
 from specray.scheduler.messages import StepPlan, encode
 from specray.workers.errors import StaleCacheError
@@ -24,9 +25,31 @@ log = logging.getLogger(__name__)
 
 
 class WorkerActor:
-    """What the driver asks of either kind of worker actor besides its step."""
+    """What the driver asks of either kind of worker actor besides its step, and its link:
+    each kind's ``_call(op, data, arg, tensors) -> (message, tensor or None)`` serves its
+    Ray methods and its link alike, one call at a time."""
 
     worker: object
+
+    def __init__(self) -> None:
+        # Calls arrive on Ray's thread and on the link's: one at a time reaches the worker.
+        self._lock = threading.Lock()
+        self._link: LinkServer | None = None
+
+    def _call(self, op: str, data: bytes | None, arg, tensors=()) -> tuple[object, object]:
+        raise NotImplementedError
+
+    def _locked_call(self, op: str, data: bytes | None, arg, tensors=()) -> tuple[bytes, object]:
+        with self._lock:
+            return reply(*self._call(op, data, arg, tensors))
+
+    def open_link(self) -> tuple[tuple[str, int], bytes]:
+        """The address and token of this actor's link (``worker_link``), opened once."""
+        if self._link is None:
+            import ray
+
+            self._link = LinkServer(self._locked_call, ray.util.get_node_ip_address())
+        return self._link.address, self._link.token
 
     def num_blocks(self) -> int:
         return self.worker.num_blocks()
@@ -120,12 +143,12 @@ class ActorHandle:
                 return None
         return self.link
 
-    def _send(self, op: str, data: bytes | None = None, arg=None):
+    def _send(self, op: str, data: bytes | None = None, arg=None, tensors=()):
         """A link call, or None (no link: use a Ray call), or the error that stopped it
         (``wait`` raises it as the call's)."""
         try:
             link = self._linked()
-            return link.send(op, data, arg) if link is not None else None
+            return link.send(op, data, arg, tensors) if link is not None else None
         except Exception as e:   # noqa: BLE001 - the actor is down or the link broke: ``_get`` sorts it out
             return e
 

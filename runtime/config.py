@@ -59,9 +59,10 @@ class ClusterConfig:
         "help": "the same as --layout colocated (draft and target inside the driver's actor)"})
     compiled_graph: bool = field(default=False, metadata={
         "help": "driver <-> worker steps over Ray Compiled Graph channels instead of actor calls"})
-    draft_link: bool = field(default=True, metadata={
-        "help": "the driver reaches draft actors on a socket of their own instead of Ray actor calls (about 1 ms "
-                "less a step at batch 1; Ray calls where the socket cannot be reached); not with compiled_graph"})
+    worker_link: bool = field(default=True, metadata={
+        "help": "the driver reaches worker actors (drafts, data-parallel targets) on a socket of their own instead "
+                "of Ray actor calls (about 1 ms less a call; Ray calls where the socket cannot be reached); not "
+                "with compiled_graph"})
     placement_strategy: str = field(default="SPREAD", metadata={
         "help": "placement group strategy of the workers", "choices": PLACEMENT_STRATEGIES})
     placement_timeout_s: float = field(default=300.0, metadata={
@@ -91,7 +92,7 @@ class ClusterConfig:
         check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         check_choice("layout", self.layout, LAYOUTS)
         check_choice("groups_in_flight", self.groups_in_flight, (1, 2))
-        for name in ("colocate", "compiled_graph", "draft_link", "detached"):
+        for name in ("colocate", "compiled_graph", "worker_link", "detached"):
             check_bool(name, getattr(self, name))
         for name in ("draft_resources", "target_resources"):
             res = getattr(self, name)
@@ -146,7 +147,7 @@ class RuntimeConfig:
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
         max_driver_restarts: int = _UNSET, driver_restart_timeout_s: float = _UNSET,
         layout: str = _UNSET, groups_in_flight: int = _UNSET, colocate: bool = _UNSET, compiled_graph: bool = _UNSET,
-        draft_link: bool = _UNSET, placement_strategy: str = _UNSET,
+        worker_link: bool = _UNSET, placement_strategy: str = _UNSET,
         placement_timeout_s: float = _UNSET, ray_address: str | None = _UNSET,
         ray_connect_timeout_s: float = _UNSET, name: str | None = _UNSET, namespace: str = _UNSET,
         detached: bool = _UNSET,

@@ -11,12 +11,9 @@ the same order, and probabilities come back as tensors.
 
 from __future__ import annotations
 
-import threading
-
 import ray
 
-from specray.runtime.actor_handle import ActorHandle, WorkerActor, reply
-from specray.runtime.worker_link import LinkServer
+from specray.runtime.actor_handle import ActorHandle, WorkerActor
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import Predraft, Proposals, StepPlan, decode, encode
 from specray.workers.config import ModelConfig
@@ -29,10 +26,8 @@ class DraftActor(WorkerActor):
         # only delay the moment it starts loading.
         from specray.workers.draft_worker import DraftWorker
 
+        super().__init__()
         self.worker = DraftWorker(model, cache)
-        # Calls arrive on Ray's thread and on the link's: one at a time reaches the worker.
-        self._lock = threading.Lock()
-        self._link: LinkServer | None = None
 
     @ray.method(num_returns=2)
     def propose_msg(self, data: bytes):
@@ -40,31 +35,23 @@ class DraftActor(WorkerActor):
 
     def propose_step(self, data: bytes) -> tuple[bytes, object]:
         """One return value, for a compiled graph's channel."""
-        return reply(*self._call("propose", data, None))
+        return self._locked_call("propose", data, None)
 
     @ray.method(num_returns=2)
     def predraft_msg(self, step_id: int):
-        return reply(*self._call("predraft", None, step_id))
+        return self._locked_call("predraft", None, step_id)
 
     @ray.method(num_returns=2)
     def adopt_msg(self, data: bytes, chosen: list[int]):
-        return reply(*self._call("adopt", data, chosen))
+        return self._locked_call("adopt", data, chosen)
 
-    def open_link(self) -> tuple[tuple[str, int], bytes]:
-        """The address and token of this actor's link (``worker_link``), opened once."""
-        if self._link is None:
-            self._link = LinkServer(lambda op, data, arg: reply(*self._call(op, data, arg)),
-                                    ray.util.get_node_ip_address())
-        return self._link.address, self._link.token
-
-    def _call(self, op: str, data: bytes | None, arg):
-        with self._lock:
-            if op == "propose":
-                return self.worker.propose(decode(data, StepPlan, validate=False))
-            if op == "predraft":
-                return self.worker.predraft(arg)
-            if op == "adopt":
-                return self.worker.adopt(decode(data, StepPlan, validate=False), arg)
+    def _call(self, op: str, data: bytes | None, arg, tensors=()):
+        if op == "propose":
+            return self.worker.propose(decode(data, StepPlan, validate=False))
+        if op == "predraft":
+            return self.worker.predraft(arg)
+        if op == "adopt":
+            return self.worker.adopt(decode(data, StepPlan, validate=False), arg)
         raise ValueError(f"a draft worker has no call {op!r}")
 
 

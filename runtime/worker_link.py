@@ -3,14 +3,16 @@
 An actor call costs about 1 ms of submission, dispatch and reply on top of the work even
 on one node (measured: 0.9-1.2 ms against 0.02-0.15 ms for the same exchange over a
 socket between two actors), and at batch 1 nothing else runs while the driver waits for
-the draft. So a draft actor also serves its step calls on a socket of its own
-(``LinkServer``), and the driver's handle sends them there (``Link``):
+the draft. So worker actors (the draft's, and targets past the one the driver's actor
+hosts) also serve their step calls on a socket of their own (``LinkServer``), and the
+driver's handle sends them there (``Link``):
 
 - One connection carries calls in the order sent and replies in the same order, so a
   worker still applies its plans in the order the scheduler made them (two groups in
   flight have two calls outstanding; pre-drafts queue behind their window).
-- Messages are the usual msgpack bytes; a reply's tensor (draft probabilities) follows
-  its header as raw bytes, read straight into the tensor's memory.
+- Messages are the usual msgpack bytes; tensors (a call's draft probabilities for a
+  target, a draft's reply) follow their header as raw bytes, read straight into the
+  tensor's memory.
 - The connection opens with a random token the actor handed out over an ordinary Ray
   call, so only a holder of the actor handle can drive the worker.
 - The actor dying closes the socket: the waiting call fails at once (``LinkLost``), the
@@ -76,12 +78,35 @@ def _tensor_bytes(t) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-class LinkServer:
-    """Serves ``handler(op, data, arg) -> (message bytes, host tensor or None)`` on a socket of its
-    own, each connection's calls one after another in a thread of its own. The handler
-    must be safe to call beside the actor's Ray methods (the caller takes a lock)."""
+def _spec(t) -> list:
+    """What a tensor's header says of it: dtype, shape, bytes."""
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()]
 
-    def __init__(self, handler: Callable[[str, bytes | None, Any], tuple[bytes, Any]], host: str) -> None:
+
+def _send_tensors(sock: socket.socket, tensors) -> None:
+    for t in tensors:
+        if t.numel():
+            sock.sendall(_tensor_bytes(t))
+
+
+def _recv_tensor(sock: socket.socket, spec: list):
+    import torch
+
+    dtype, shape, nbytes = spec
+    if not nbytes:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    buf = bytearray(nbytes)
+    _recv_into(sock, buf)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+
+
+class LinkServer:
+    """Serves ``handler(op, data, arg, tensors) -> (message bytes, host tensor or None)`` on a
+    socket of its own, each connection's calls one after another in a thread of its own.
+    The handler must be safe to call beside the actor's Ray methods (the caller takes a
+    lock)."""
+
+    def __init__(self, handler: Callable[[str, bytes | None, Any, list], tuple[bytes, Any]], host: str) -> None:
         self.handler = handler
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._sock = socket.create_server((host, 0))
@@ -105,29 +130,29 @@ class LinkServer:
                 log.warning("worker link: a connection without the token, closed")
                 return
             while True:
-                op, data, arg = msgpack.unpackb(_recv_frame(conn))
-                self._answer(conn, op, data, arg)
+                op, data, arg, specs = msgpack.unpackb(_recv_frame(conn))
+                self._answer(conn, op, data, arg, [_recv_tensor(conn, spec) for spec in specs])
         except (OSError, LinkLost):
             return          # the driver went away; a new one connects again
         finally:
             conn.close()
 
-    def _answer(self, conn: socket.socket, op: str, data, arg) -> None:
+    def _answer(self, conn: socket.socket, op: str, data, arg, tensors: list) -> None:
         from specray.workers.errors import StaleCacheError
 
         tensor = None
         try:
-            message, tensor = self.handler(op, data, arg)
+            message, tensor = self.handler(op, data, arg, tensors)
             head = [OK, message]
         except StaleCacheError as e:
             head = [STALE, str(e)]
         except Exception as e:   # noqa: BLE001 - reported to the caller, the worker keeps serving
             head = [ERROR, "".join(traceback.format_exception(e))]
         if tensor is not None:
-            head += [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), tensor.numel() * tensor.element_size()]
+            head += _spec(tensor)
         _send_frame(conn, msgpack.packb(head))
-        if tensor is not None and head[-1]:
-            conn.sendall(_tensor_bytes(tensor))
+        if tensor is not None:
+            _send_tensors(conn, [tensor])
 
     def close(self) -> None:
         self._sock.close()
@@ -158,11 +183,13 @@ class Link:
         self._early: dict[int, tuple[bytes, Any] | BaseException] = {}
         self.closed = False
 
-    def send(self, op: str, data: bytes | None = None, arg: Any = None) -> LinkCall:
+    def send(self, op: str, data: bytes | None = None, arg: Any = None, tensors=()) -> LinkCall:
+        """``tensors``: host tensors the worker's handler receives after ``arg``."""
         if self.closed:
             raise LinkLost("the link is closed")
         try:
-            _send_frame(self._sock, msgpack.packb([op, data, arg]))
+            _send_frame(self._sock, msgpack.packb([op, data, arg, [_spec(t) for t in tensors]]))
+            _send_tensors(self._sock, tensors)
         except OSError as e:
             self.close()
             raise LinkLost(f"sending to the worker failed: {e}") from None
@@ -188,15 +215,7 @@ class Link:
 
     def _read_reply(self) -> tuple[bytes, Any]:
         head = msgpack.unpackb(_recv_frame(self._sock))
-        tensor = None
-        if len(head) > 2:
-            import torch
-
-            dtype, shape, nbytes = head[2:]
-            buf = bytearray(nbytes)
-            _recv_into(self._sock, buf)
-            tensor = torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).view(shape) \
-                if nbytes else torch.empty(shape, dtype=getattr(torch, dtype))
+        tensor = _recv_tensor(self._sock, head[2:]) if len(head) > 2 else None
         status, message = head[0], head[1]
         if status == STALE:
             raise LinkLost(message)

@@ -192,7 +192,7 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
 
     from specray.runtime.actor_handle import actor_options
     from specray.runtime.draft_actor import DraftHandle, RemoteDraftActor
-    from specray.runtime.target_actor import RemoteTargetActor, TargetHandle
+    from specray.runtime.target_actor import RemoteTargetActor, TargetHandle, probs_values
 
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
@@ -242,14 +242,14 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
             remove_placement_group(pg)
         raise
     restarts = cluster.max_worker_restarts
-    verifiers = [TargetHandle(a, restarts, cluster.compiled_graph) for a in targets]
+    verifiers = [TargetHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in targets]
     if local is not None:
-        verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *_values(probs))))
-    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph, link=cluster.draft_link) for a in drafts]
+        verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs))))
+    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in drafts]
     pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
                       local_workers=[local] if local is not None else [])
     pool.proposers += _host_proposers(cfg, pool)
-    if cluster.compiled_graph or cluster.draft_link:
+    if cluster.compiled_graph or cluster.worker_link:
         # Channels are built and links opened now, not in a request's first step.
         try:
             for call in verifiers + remote_proposers:
@@ -260,18 +260,6 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
             raise
     return pool
 
-
-def _values(probs: list) -> list:
-    """Draft probabilities as tensors: the draft actors hand over ObjectRefs, which Ray
-    resolves for an actor's call but not for a call in this process."""
-    import ray
-
-    refs = [i for i, p in enumerate(probs) if isinstance(p, ray.ObjectRef)]
-    got = ray.get([probs[i] for i in refs]) if refs else []
-    out = list(probs)
-    for i, v in zip(refs, got):
-        out[i] = v
-    return out
 
 
 def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):

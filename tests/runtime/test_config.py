@@ -54,7 +54,7 @@ def test_whole_sections_and_flat_overrides():
     (dict(proposer="none"), "draft must be None"),
     (dict(draft=None), "draft must be set"),
     (dict(overlap=True, compiled_graph=True), "overlap=True needs actor calls"),
-    (dict(draft_link="yes"), "draft_link"),
+    (dict(worker_link="yes"), "worker_link"),
 ])
 def test_bad_fields_are_refused_naming_them(kw, field):
     args = {"target": "t", "draft": "d", **kw}

@@ -97,9 +97,11 @@ def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, 
 
 
 def test_sigkill_of_the_target_worker_changes_no_output(ray_session, llama_pair, expected):
-    """The second target worker (the first lives in the driver's process) dies."""
+    """The second target worker (the first lives in the driver's process) dies, its calls
+    on its link."""
     rt = start_runtime(llama_pair, max_worker_restarts=2, num_target_workers=2)
     try:
+        assert rt.metrics()["num_linked_workers"] == 2          # the draft's link and the target actor's
         (victim,) = alive_pids("TargetActor")
         assert kill_mid_generation(rt, victim) == expected
         m = rt.metrics()
@@ -122,7 +124,7 @@ def actor_states(cls: str) -> list[str]:
 
 def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(ray_session, llama_pair, expected):
     """Over Ray actor calls (no link)."""
-    rt = start_runtime(llama_pair, max_worker_restarts=0, draft_link=False)
+    rt = start_runtime(llama_pair, max_worker_restarts=0, worker_link=False)
     try:
         assert rt.metrics()["num_linked_workers"] == 0
         (victim,) = alive_pids("DraftActor")

@@ -1,5 +1,5 @@
 """The worker link (runtime/worker_link.py) without Ray: calls answered in the order sent,
-read in any order; tensors of any dtype intact; a worker's error reported and the link
+read in any order; tensors of any dtype intact, both ways; a worker's error reported and the link
 serving on; an empty restart and a closed worker are a lost link; no token, no service."""
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from specray.workers.errors import StaleCacheError
 
 
 class Worker:
-    """Answers ``op`` with its arguments back, a tensor where asked, and remembers the order."""
+    """Answers ``op`` with its arguments back, a tensor where asked (``echo_tensors``: the
+    tensors it received, stacked), and remembers the order."""
 
     def __init__(self) -> None:
         self.seen: list[int] = []
         self.release = threading.Event()
         self.release.set()
 
-    def __call__(self, op, data, arg):
+    def __call__(self, op, data, arg, tensors):
         self.release.wait(10)
         self.seen.append(arg)
         if op == "fail":
@@ -33,6 +34,8 @@ class Worker:
         if op == "tensor":
             dtype, shape = arg
             tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(getattr(torch, dtype))
+        if op == "echo_tensors":
+            tensor = torch.stack(tensors)
         return data + b"!", tensor
 
 
@@ -63,6 +66,19 @@ def test_a_reply_tensor_arrives_intact(served, dtype, shape):
     message, tensor = link.send("tensor", b"p", (dtype, shape)).result()
     expected = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(getattr(torch, dtype))
     assert message == b"p!" and tensor.dtype == expected.dtype and torch.equal(tensor, expected)
+    link.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_call_tensors_arrive_intact_and_in_order(served, dtype):
+    _, server = served
+    link = Link(server.address, server.token)
+    sent = [torch.randn(3, 2, 5).to(getattr(torch, dtype)) for _ in range(3)]
+    first = link.send("echo_tensors", b"a", 1, tensors=sent)
+    second = link.send("echo", b"b", 2, tensors=[torch.empty(0, 4)])      # an empty tensor sends no bytes
+    message, got = first.result()
+    assert message == b"a!" and got.dtype == sent[0].dtype and torch.equal(got, torch.stack(sent))
+    assert second.result() == (b"b!", None)
     link.close()
 
 
