@@ -59,7 +59,7 @@ def add_field_arg(p, f: dataclasses.Field, **override) -> None:
     flags = meta.get("flags", ("--" + f.name.replace("_", "-"),))
     default = _default(f)
     kw = dict(dest=f.name, default=default, help=meta.get("help", ""))
-    if isinstance(default, bool):
+    if isinstance(default, bool) or str(f.type).startswith("bool"):     # bool | None: unset means auto
         kw["action"] = argparse.BooleanOptionalAction
     else:
         kw["type"] = _value_type(f)

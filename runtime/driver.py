@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
@@ -142,14 +142,19 @@ class DriverCore:
             self.pool = launch.result()
         bs = config.cache.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
-        self.scheduler = Scheduler(config.cache, config.speculation, self.max_model_len,
+        spec = config.speculation
+        if spec.overlap is None:
+            # Pre-draft wherever draft actors compute beside the target: not in this
+            # process, nor over a compiled graph's channel (one step at a time).
+            spec = replace(spec, overlap=backend != "local" and not config.cluster.compiled_graph)
+        self.scheduler = Scheduler(config.cache, spec, self.max_model_len,
                                    [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
                                    draft_max_len=draft_len, num_proposers=len(self.pool.proposers), policy=policy)
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process (backend "local") they run in turn, computing the same windows.
         engine = GroupEngine if wants_groups(config, backend) else Engine
         self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
-                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap,
+                             config.cluster.target_down_timeout_s, overlap=spec.overlap,
                              suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.draft_model)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
@@ -202,7 +207,10 @@ class DriverCore:
             # Vocabulary sizes may differ (padding); the token ids both score must agree.
             check_pair(model.target, model.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,
                        tokenizer_or_none(model.draft) if self.tokenizer is not None else None)
-            draft_len = model_loader.max_model_len(dcfg)
+            # The draft worker's window: its own, within the target's and max_model_len
+            # (``ModelRunner``); a pre-draft reserves slots up to it.
+            own = model_loader.max_model_len(dcfg)
+            draft_len = min(self.max_model_len, own) if own else self.max_model_len
         return draft_len
 
     # -- client API ----------------------------------------------------------------

@@ -87,9 +87,11 @@ class SpeculationConfig:
         "help": "no speculation once this many sequences run"})
     policy_options: dict = field(default_factory=dict, metadata={
         "help": "the policy's own settings, JSON (adaptive: AdaptiveConfig fields, e.g. '{\"rate_spread\": false}')"})
-    # Off by default: on the machines measured so far it did not pay (docs/overlap.md).
-    overlap: bool = field(default=False, metadata={
-        "help": "draft actors pre-draft the next window while the target verifies (docs/overlap.md)"})
+    # None: on wherever draft actors run beside the target (resolved by the driver, which
+    # knows): over its link it pays at batch 1 (docs/overlap.md).
+    overlap: bool | None = field(default=None, metadata={
+        "help": "draft actors pre-draft the next window while the target verifies (default: wherever draft "
+                "actors run beside the target, i.e. the actor layout without compiled graphs; docs/overlap.md)"})
     ngram_max: int = field(default=3, metadata={"help": "longest n-gram the prompt lookup matches"})
     ngram_min: int = field(default=1, metadata={"help": "shortest n-gram the prompt lookup matches"})
     suffix_cache_requests: int = field(default=64, metadata={
@@ -110,7 +112,8 @@ class SpeculationConfig:
         check_choice("proposer", self.proposer, PROPOSERS)
         check_choice("speculation_policy", self.speculation_policy, POLICIES)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0 if self.proposer == "none" else 1)
-        check_bool("overlap", self.overlap)
+        if self.overlap is not None:
+            check_bool("overlap", self.overlap)
         if not isinstance(self.policy_options, dict) or not all(isinstance(k, str) for k in self.policy_options):
             raise ValueError(f"policy_options must map option names to values, got {self.policy_options!r}")
         if self.policy_options and self.speculation_policy == "static":

@@ -49,6 +49,18 @@ def test_greedy_outputs_equal_serial_in_process(llama_pair, same, max_num_seqs):
         assert m1["num_draft_tokens"] == m0["num_draft_tokens"]
 
 
+def test_pre_drafts_stay_inside_a_max_model_len_below_the_models_window(llama_pair):
+    """Requests run to the end of a max_model_len smaller than either model's window: a
+    pre-draft reserves draft slots only up to the draft worker's window (which that
+    max_model_len bounds), or the worker refuses the plan."""
+    target, _ = llama_pair
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    serial, _ = run(config(target, target, max_num_seqs=4, max_model_len=24), "local", PROMPTS, params)
+    over, m = run(config(target, target, max_num_seqs=4, max_model_len=24, overlap=True), "local", PROMPTS, params)
+    assert over == serial and m["num_predraft_windows_used"] > 0
+    assert all(len(p) + len(t) == 24 for p, t in zip(PROMPTS, over))       # each ran to the window's end
+
+
 def test_sampled_outputs_equal_serial_in_process(llama_pair):
     """Seeded sampling: the same draws whether a window was drafted ahead or not (the
     draft's uniforms are keyed by position), so outputs are equal, not just alike."""
@@ -62,18 +74,21 @@ def test_sampled_outputs_equal_serial_in_process(llama_pair):
 def test_greedy_outputs_equal_serial_through_actors(llama_pair, ray_module):
     target, draft = llama_pair
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    serial, _ = run(config(target, target, max_num_seqs=2), "local", PROMPTS, params)
+    # overlap left at its default: off in process, on in the actor layout.
+    serial, m0 = run(config(target, target, max_num_seqs=2), "local", PROMPTS, params)
     # The actor layout (the target in the driver's process); one group in flight, as at
     # batch 1: pre-drafts serve steps that run alone.
-    over, m = run(config(target, target, max_num_seqs=2, overlap=True, ray_address=None, groups_in_flight=1),
+    over, m = run(config(target, target, max_num_seqs=2, ray_address=None, groups_in_flight=1),
                   "hosted", PROMPTS, params)
+    assert m0["overlap"] is False and m["overlap"] is True
     assert over == serial and m["num_predraft_windows_used"] > 0
     assert m["draft_hidden_s"] > 0.0
 
 
-def test_overlap_stays_off_unless_asked_and_off_when_colocated(llama_pair):
+def test_overlap_is_the_drivers_choice_unless_asked_and_off_when_colocated(llama_pair):
     target, draft = llama_pair
-    assert not config(target, draft).speculation.overlap
+    assert config(target, draft).speculation.overlap is None        # the driver decides (see above)
+    assert config(target, draft, overlap=False).speculation.overlap is False
     assert config(target, draft, overlap=True).speculation.overlap
     assert not config(target, draft, overlap=True, colocate=True).speculation.overlap
     with pytest.raises(ValueError, match="overlap must be True or False"):
