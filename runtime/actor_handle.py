@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class WorkerActor:
-    """What the driver asks of either kind of worker actor besides its step, and its link:
-    each kind's ``_call(op, data, arg, tensors) -> (message, tensor or None)`` serves its
-    Ray methods and its link alike, one call at a time."""
+    """What the driver asks of either kind of worker actor besides its step, and its link.
+    Each kind defines ``_call(op, data, arg, tensors) -> (message, tensor or None)``, which
+    serves its Ray methods and its link alike, one call at a time (``_locked_call``)."""
 
     worker: object
 
@@ -35,9 +35,6 @@ class WorkerActor:
         # Calls arrive on Ray's thread and on the link's: one at a time reaches the worker.
         self._lock = threading.Lock()
         self._link: LinkServer | None = None
-
-    def _call(self, op: str, data: bytes | None, arg, tensors=()) -> tuple[object, object]:
-        raise NotImplementedError
 
     def _locked_call(self, op: str, data: bytes | None, arg, tensors=()) -> tuple[bytes, object]:
         with self._lock:

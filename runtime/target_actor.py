@@ -51,7 +51,7 @@ class TargetHandle(ActorHandle):
                 return self._stamp(call)
         if self._on_channel:
             # A draft on classic calls hands over ObjectRefs; a channel carries values.
-            ref = self._execute((data, [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in probs]))
+            ref = self._execute((data, probs_values(probs)))
             if ref is not None:
                 return self._stamp(ref)
         # ObjectRefs as top-level arguments: Ray resolves them on the target's node.

@@ -261,7 +261,6 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
     return pool
 
 
-
 def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
     """The target worker of this process (the driver's actor, which asked for the
     target's resources), sized from its own share of the GPU as an actor would be."""
