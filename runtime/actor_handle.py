@@ -12,10 +12,12 @@ workers' entry points run those for every caller, once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 from specray.runtime.compiled_channel import CompiledChannel
+from specray.runtime.link_auth import LOOPBACK, link_hosts
 from specray.runtime.worker_link import Link, LinkCall, LinkLost, LinkServer
 from specray.runtime.worker_call import WorkerLost
 from specray.scheduler.messages import StepPlan, encode
@@ -40,12 +42,18 @@ class WorkerActor:
         with self._lock:
             return reply(*self._call(op, data, arg, tensors))
 
-    def open_link(self) -> tuple[tuple[str, int], bytes]:
-        """The address and token of this actor's link (``worker_link``), opened once."""
-        if self._link is None:
-            import ray
+    def open_link(self, driver_ip: str) -> tuple[tuple[str, int], bytes]:
+        """The address and token of this actor's link (``worker_link``) for a driver on the
+        node ``driver_ip``: bound to loopback when that is this actor's node, to the node's
+        IP otherwise, and open to that driver's address only. Opened once, and again for a
+        driver elsewhere."""
+        import ray
 
-            self._link = LinkServer(self._locked_call, ray.util.get_node_ip_address())
+        host, peer = link_hosts(ray.util.get_node_ip_address(), driver_ip)
+        if self._link is None or (self._link.address[0], self._link.peer) != (host, peer):
+            if self._link is not None:
+                self._link.close()
+            self._link = LinkServer(self._locked_call, host, peer)
         return self._link.address, self._link.token
 
     def num_blocks(self) -> int:
@@ -62,6 +70,20 @@ def reply(message, probs) -> tuple[bytes, object]:
     """A step's answer off the actor: the message encoded, tensors on the host so any node
     can read them."""
     return encode(message), (probs.cpu() if probs is not None else None)
+
+
+_tls_said = False
+
+
+def ray_tls() -> bool:
+    """Whether Ray runs with TLS in this process (``RAY_USE_TLS``, read as Ray reads it). The
+    worker link is plaintext beside it, so then step calls stay on Ray; said once in the log."""
+    global _tls_said
+    on = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+    if on and not _tls_said:
+        _tls_said = True
+        log.info("Ray runs with TLS (RAY_USE_TLS): worker links are off, step calls go as Ray actor calls")
+    return on
 
 
 def actor_options(resources: dict[str, float], gpu: bool) -> dict:
@@ -87,7 +109,7 @@ class ActorHandle:
         where it can be reached, Ray calls otherwise; not with ``compiled``."""
         self.actor = actor
         self.link: Link | None = None
-        self._link_wanted = link and not compiled
+        self._link_wanted = link and not compiled and not ray_tls()
         self._link_failed = False
         self.max_restarts = max_restarts   # -1: Ray restarts it forever
         self.losses = 0
@@ -131,9 +153,12 @@ class ActorHandle:
         if self.link is None or self.link.closed:
             import ray
 
-            address, token = ray.get(self.actor.open_link.remote())
+            here = ray.util.get_node_ip_address()
+            address, token = ray.get(self.actor.open_link.remote(here))
             try:
-                self.link = Link(address, token)
+                # From the node's IP, the one address the worker accepts (another interface
+                # of a multi-homed node would be refused).
+                self.link = Link(address, token, source=None if address[0] == LOOPBACK else here)
             except OSError as e:
                 log.warning("worker link to %s:%s unreachable, using Ray actor calls: %s", *address, e)
                 self._link_failed = True
