@@ -487,3 +487,27 @@ def test_the_accept_loop_survives_errors_and_ends_with_the_server(served, caplog
     assert not server._acceptor.is_alive()
     with pytest.raises(LinkLost):                          # the server's connections end with it
         first.send("echo", b"c", 3).result()
+
+
+# --- Ray with TLS ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("TRUE", True), ("0", False), ("", False)])
+def test_links_are_off_when_ray_runs_with_tls(monkeypatch, caplog, value, on):
+    from specray.runtime import actor_handle
+    from specray.runtime.draft_actor import DraftHandle
+    from specray.runtime.target_actor import TargetHandle
+
+    class NoActor:
+        """Any call to the actor fails the test: with TLS no link is asked for."""
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the actor was asked for {name}")
+
+    monkeypatch.setenv("RAY_USE_TLS", value)
+    monkeypatch.setattr(actor_handle, "_tls_said", False)
+    with caplog.at_level(logging.INFO, logger="specray.runtime.actor_handle"):
+        handles = [DraftHandle(NoActor(), 0, link=True), TargetHandle(NoActor(), 0, link=True)]
+    assert [h._link_wanted for h in handles] == [not on] * 2
+    if on:
+        assert [h._linked() for h in handles] == [None, None]
+    assert caplog.text.count("worker links are off") == (1 if on else 0)      # said once
