@@ -160,7 +160,7 @@ class ActorHandle:
                 # of a multi-homed node would be refused).
                 self.link = Link(address, token, source=None if address[0] == LOOPBACK else here)
             except OSError as e:
-                log.warning("worker link to %s:%s unreachable, using Ray actor calls: %s", *address, e)
+                log.warning("worker link to %s:%s did not open, using Ray actor calls: %s", *address, e)
                 self._link_failed = True
                 return None
         return self.link
