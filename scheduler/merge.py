@@ -1,8 +1,8 @@
 """Merge draft proposals from any number of shards into one target plan.
 
-The seed's ``_merge_outputs`` scattered one shard's ``[m, k]`` proposals into an
-``[n, k]`` batch where skipped sequences carry ``-1``; here any number of shards, each
-with its own per-sequence lengths, land in the target plan's order::
+Each shard's proposals are scattered into an ``[n, k]`` batch in the target plan's
+order, where sequences without proposals carry ``-1``; any number of shards, each with
+its own per-sequence lengths, land in one batch::
 
     target plan:    s0  s1  s2  s3          shard A: s2 (len 2)   shard B: s0 (len 3)
     proposals:      [a b c] [-1 -1 -1] [x y -1] [-1 -1 -1]

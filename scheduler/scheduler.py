@@ -93,7 +93,7 @@ class Scheduler:
         n = seq.num_tokens
         limit = min(self.num_speculative_tokens, seq.remaining - 1, self.max_model_len - n - 1)
         if self.draft_max_len is not None and n + limit > self.draft_max_len:
-            # The seed's split: past the draft's window the sequence decodes without it.
+            # Past the draft's window the draft cannot propose: the sequence decodes without it.
             return 0
         return max(limit, 0)
 

@@ -1,9 +1,9 @@
 """The draft model: ``width`` autoregressive passes per call, inputs kept on the device.
 
-All passes run inside one ``propose`` call (the seed's TP1DraftModelRunner goal): each
-pass's sampled tokens feed the next pass straight from the device tensor, the host only
-builds position and slot metadata (which it knows in advance), and proposals come back to
-the host once, at the end. Sequence i makes exactly ``proposal_lens[i]`` proposals.
+All passes run inside one ``propose`` call, so a step costs one call and one host sync
+however many passes it makes: each pass's sampled tokens feed the next pass straight from
+the device tensor, the host only builds position and slot metadata (which it knows in
+advance), and proposals come back to the host once, at the end. Sequence i makes exactly ``proposal_lens[i]`` proposals.
 
 Vocabulary: the draft may have fewer or more embedding rows than the target (checkpoints
 of one tokenizer padded differently; ``vocabulary`` checks the ids they share agree). It

@@ -1,9 +1,9 @@
 """One sequence's matches against its own earlier tokens, for suffix decoding: the
 proposal a ``SuffixTree`` holding just that sequence would make, without the tree.
 
-A tree costs ``max_depth`` node visits per token to build, in Python (1.4 ms for a
-160-token prompt, on the step that first sees it); this index costs one list append per
-token: where each token value occurred. A proposal reads the earlier occurrences of the
+A tree costs ``max_depth`` node visits per token to build, in Python, all on the step
+that first sees a prompt; this index costs one list append per token: where each token
+value occurred. A proposal reads the earlier occurrences of the
 sequence's last token, measures how far back each matches the sequence's tail (at most
 the tree's longest useful match, ``match_room``), and follows the continuations of those
 that match longest, counting as the tree counts: a path of m tokens occurs once for every
@@ -33,8 +33,8 @@ TOKEN_BYTES = 8 + 8 + sys.getsizeof(10**6)
 VALUE_BYTES = sys.getsizeof([0]) + 3 * 8 + 8
 # Earlier occurrences of the last token a proposal reads, the most recent first: a token
 # seen more often (a model stuck repeating one token) counts only its last RECENT, where
-# the tree would count them all, so that a step's scan stays bounded (4000 occurrences:
-# 9 ms a step; 256: well under one).
+# the tree would count them all, so that a step's scan stays bounded however often the
+# sequence repeats one token.
 RECENT = 256
 
 

@@ -44,8 +44,8 @@ class TargetWorker(ModelWorker):
         vocab = logits.shape[-1]
         w1 = width + 1
         # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
-        # distinct rows go through the head (at batch 1, a step that proposed nothing paid
-        # 1.44x a plain step for four copies of one row: docs/suffix-decoding.md).
+        # distinct rows go through the head, so a sequence that proposed fewer tokens than
+        # the step's width does not pay the head once per missing proposal.
         grid_rows = None if len(batch.logit_rows) == n * w1 else r.to_device(batch.cells)
         # Greedy rows are decided on the host from the argmax grid ([n, width+1] ints):
         # fewer tensor ops than a masked device computation, and the same one host sync.

@@ -13,7 +13,7 @@ Invariants: ``decide`` never returns more than a sequence's ``proposal_limit`` n
 than ``num_speculative_tokens``; it reads nothing but the view and the outcomes, so output
 is the target's whatever it chooses. Per-sequence state is kept for the sequences of the
 last view only. What each mechanism was measured to be worth, and the ones removed for
-lack of it: docs/adaptive-policy.md.
+lack of it: docs/history.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The longest proposal sets much of a step's price: the draft runs ``max k_i`` pas
 attention pads every sequence's query rows to the longest (``t_pad``). Verifying any
 proposals at all costs the target a step of its own (``t_spec``: the rejection sampler,
 the draft rows, logits for every proposal row); without that term a line through plain
-and speculating steps misprices every level (docs/adaptive-policy.md). Each term is fitted
+and speculating steps misprices every level (docs/history.md). Each term is fitted
 per batch-size bucket (``BucketedFit``): a token's marginal cost is not one number across
 batch sizes.
 """
