@@ -218,8 +218,9 @@ def _sse(body: dict) -> str:
 
 
 class _Json(JSONResponse):
-    """JSON in ASCII: text with lone surrogates (valid in a JSON string, and echoed back in
-    a prompt's output or an error) cannot be encoded as UTF-8."""
+    """JSON in ASCII, as the stream's chunks are: a lone surrogate (valid in a JSON string
+    a client sent) cannot be encoded as UTF-8, so one that reached an answer would make it
+    a 500."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, separators=(",", ":")).encode("ascii")
