@@ -14,15 +14,20 @@ streams ride through with nothing lost or repeated, a non-streaming request comp
 Only a driver that does not serve again within ``RESTART_S`` ends them (an error chunk,
 or a 503 before a non-streaming response's first byte).
 
+Before a request is read it passes the server's doors (``specray.runtime.http_guard``:
+Host, API key, Content-Type, body size). A failure on the server's side reaches the
+client as a generic message with a short error id; what failed, with that id, goes to
+this module's log (``specray.http``, in the replica's log): a worker's traceback or
+another request's error is never sent to a client.
+
 ``start_http`` deploys it on the Ray this process is connected to.
 """
-
-
 
 import asyncio
 import contextvars
 import json
 import logging
+import secrets
 import time
 
 from fastapi import FastAPI, Request
@@ -31,6 +36,7 @@ from ray import serve
 
 from specray.runtime import openai_protocol as api
 from specray.runtime.driver_restarts import DRIVER_RESTART_TIMEOUT_S, died_for_good
+from specray.runtime.http_guard import Doors
 from specray.runtime.resume import InFlight
 
 log = logging.getLogger("specray.http")
@@ -211,15 +217,38 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
+class _Json(JSONResponse):
+    """JSON in ASCII, as the stream's chunks are: a lone surrogate (valid in a JSON string
+    a client sent) cannot be encoded as UTF-8, so one that reached an answer would make it
+    a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(e: api.ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else {}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _Json(e.body(), status_code=e.status, headers=headers or None)
+
+
+def failure(status: int, detail: str, exc_info: BaseException | None = None) -> api.ApiError:
+    """A failure on the server's side: logged in full under a fresh error id; the client
+    is told only that it failed, and the id."""
+    eid = secrets.token_hex(4)
+    log.error("error id %s (HTTP %d): %s", eid, status, detail, exc_info=exc_info)
+    if status == 503:
+        message = f"the specray driver is unavailable; retry shortly (error id {eid})"
+    else:
+        message = f"the server failed to complete this request (error id {eid})"
+    return api.ApiError(status, message, retry_after_s=1 if status == 503 else None)
 
 
 class OpenAIIngress:
     """The routes; ``Ingress`` is this class as a Serve deployment."""
 
-    def __init__(self, driver_name: str, namespace: str, served_model_name: str) -> None:
+    def __init__(self, driver_name: str, namespace: str, served_model_name: str, doors: Doors | None = None) -> None:
         import ray
 
         self.driver = ray.get_actor(driver_name, namespace=namespace)
@@ -227,6 +256,9 @@ class OpenAIIngress:
         self.served = served_model_name
         self.max_model_len = info.max_model_len
         self.has_chat_template = info.has_chat_template
+        # More choices than the driver holds could never be admitted: refused whole, up front.
+        self.max_choices = info.config.max_pending
+        self.doors = doors if doors is not None else Doors()
         self.created = int(time.time())
         self.pump = DeltaPump(self.driver)
         self.names: dict[int, str] = {}        # token id -> its text, for log-probabilities
@@ -242,7 +274,11 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        try:
+            self._pass_doors(request)
+        except api.ApiError as e:
+            return _error_response(e)
         return {"object": "list", "data": [{"id": self.served, "object": "model", "created": self.created,
                                             "owned_by": "specray", "max_model_len": self.max_model_len}]}
 
@@ -255,14 +291,24 @@ class OpenAIIngress:
         return await self._generate(request, "chat")
 
     # -- one request ---------------------------------------------------------------
+    def _pass_doors(self, request: Request) -> None:
+        self.doors.check_host(request.headers.get("host"))
+        self.doors.check_key(request.headers.get("authorization"))
+
     async def _generate(self, request: Request, route: str):
         t0 = self.metrics.begin(route)
         try:
+            self._pass_doors(request)
+            self.doors.check_json(request.headers.get("content-type"))
             req = await self._parse(request, route)
             reply = await self._submit(req)
         except api.ApiError as e:
             self.metrics.end(route, e.status, t0)
             return _error_response(e)
+        except Exception as e:  # noqa: BLE001 - any other failure is the server's, told generically
+            err = failure(500, f"{route}: {type(e).__name__}: {e}", e)
+            self.metrics.end(route, err.status, t0)
+            return _error_response(err)
         ids = reply.request_ids
         queues = self.pump.open(ids, req.prompts, req.params, reply.seeds)
         if req.stream:
@@ -275,14 +321,18 @@ class OpenAIIngress:
                 while choices[i].finish_reason is None:
                     kind, item = await queues[rid].get()
                     if kind != "delta":
-                        raise api.ApiError(503 if kind == "unavailable" else 500, item)
+                        raise failure(503 if kind == "unavailable" else 500, f"{req.id} choice {i}: {item}")
                     choices[i].add(item)
             names = await self._names([e for c in choices for e in c.logprobs])
             status, tokens = 200, sum(len(c.token_ids) for c in choices)
-            return JSONResponse(api.response(req, choices, names))
+            return _Json(api.response(req, choices, names))
         except api.ApiError as e:
             status = e.status
             return _error_response(e)
+        except Exception as e:  # noqa: BLE001 - any other failure is the server's, told generically
+            err = failure(500, f"{req.id}: {type(e).__name__}: {e}", e)
+            status = err.status
+            return _error_response(err)
         finally:
             # Reached on success too, and when the client went away (the task is cancelled):
             # requests still running are aborted, freeing their blocks.
@@ -292,15 +342,16 @@ class OpenAIIngress:
             self.metrics.end(route, status, t0, tokens)
 
     async def _parse(self, request: Request, route: str) -> api.GenerationRequest:
+        raw = await self.doors.read_body(request)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            body = json.loads(raw)
+        except (ValueError, RecursionError):     # bad JSON or UTF-8, a huge number, nesting past the stack
             raise api.bad("the request body is not valid JSON") from None
         if route == "chat":
             if not self.has_chat_template:
                 raise api.bad("the served model has no chat template; use /v1/completions", "messages")
-            return api.parse_chat(body, self.served, self.max_model_len)
-        return api.parse_completion(body, self.served, self.max_model_len)
+            return api.parse_chat(body, self.served, self.max_model_len, self.max_choices)
+        return api.parse_completion(body, self.served, self.max_model_len, self.max_choices)
 
     async def _submit(self, req: api.GenerationRequest):
         from ray.exceptions import ActorUnavailableError
@@ -317,13 +368,12 @@ class OpenAIIngress:
                 if isinstance(e, ActorUnavailableError) and time.monotonic() < deadline:
                     await asyncio.sleep(RETRY_S)
                     continue
-                raise api.ApiError(503, f"the specray driver is unavailable ({type(e).__name__}); retry shortly",
-                                   retry_after_s=1) from None
+                raise failure(503, f"submit: {type(e).__name__}: {e}") from None
         if reply.overloaded:
             raise api.ApiError(429, reply.error, retry_after_s=1)
         if reply.error:
             if reply.error == "the runtime is shut down":
-                raise api.ApiError(503, reply.error)
+                raise failure(503, f"submit: {reply.error}")
             message = reply.error
             if req.num_choices == 1 and message.startswith("request 0: "):
                 message = message[len("request 0: "):]
@@ -340,23 +390,28 @@ class OpenAIIngress:
                    for i, rid in enumerate(ids)]
         status, left = 200, len(ids)
         try:
-            while left:
-                i, (kind, item) = await merged.get()
-                if kind != "delta":
-                    status = 503 if kind == "unavailable" else 500
-                    err = api.ApiError(status, item)
-                    yield _sse(err.body())
-                    break
-                c = choices[i]
-                c.add(item)
-                if not (item.text or item.finished or item.token_ids and req.logprobs is not None):
-                    continue
-                names = await self._names(getattr(item, "logprobs", None) or [])
-                yield _sse(api.chunk(req, c, item, names, first[i], sent[i]))
-                first[i] = False
-                sent[i] += len(item.text)
-                if item.finished:
-                    left -= 1
+            try:
+                while left:
+                    i, (kind, item) = await merged.get()
+                    if kind != "delta":
+                        err = failure(503 if kind == "unavailable" else 500, f"{req.id} choice {i}: {item}")
+                        status = err.status
+                        yield _sse(err.body())
+                        break
+                    c = choices[i]
+                    c.add(item)
+                    if not (item.text or item.finished or item.token_ids and req.logprobs is not None):
+                        continue
+                    names = await self._names(getattr(item, "logprobs", None) or [])
+                    yield _sse(api.chunk(req, c, item, names, first[i], sent[i]))
+                    first[i] = False
+                    sent[i] += len(item.text)
+                    if item.finished:
+                        left -= 1
+            except Exception as e:  # noqa: BLE001 - the headers are out: the failure is told as a chunk
+                err = failure(500, f"{req.id}: {type(e).__name__}: {e}", e)
+                status = err.status
+                yield _sse(err.body())
             if status == 200 and req.include_usage:
                 yield _sse(api.usage_chunk(req, choices))
             yield "data: [DONE]\n\n"
@@ -391,28 +446,32 @@ Ingress = serve.deployment(name=DEPLOYMENT, max_ongoing_requests=1024, ray_actor
     serve.ingress(app)(OpenAIIngress))
 
 
-def build_app(driver_name: str, namespace: str, served_model_name: str, replicas: tuple[int, int] = (1, 1)):
-    """The Serve application; ``replicas`` (min, max) autoscale the ingress when they differ."""
+def build_app(driver_name: str, namespace: str, served_model_name: str, replicas: tuple[int, int] = (1, 1),
+              doors: Doors | None = None):
+    """The Serve application; ``replicas`` (min, max) autoscale the ingress when they differ.
+    ``doors`` (the API key among them) reach every replica as a deployment argument."""
     lo, hi = replicas
     if lo == hi:
         dep = Ingress.options(num_replicas=lo)
     else:
         dep = Ingress.options(autoscaling_config={"min_replicas": lo, "max_replicas": hi,
                                                   "target_ongoing_requests": 32})
-    return dep.bind(driver_name, namespace, served_model_name)
+    return dep.bind(driver_name, namespace, served_model_name, doors)
 
 
 def start_http(driver_name: str, namespace: str, served_model_name: str, host: str = "127.0.0.1",
                port: int = 8000, replicas: tuple[int, int] = (1, 1), app_name: str = "specray",
-               health_timeout_s: float = 120.0) -> str:
+               health_timeout_s: float = 120.0, doors: Doors | None = None) -> str:
     """Deploy the endpoint beside a running driver; returns its base URL once ``/health``
-    answers 200."""
+    answers 200. ``doors`` default to ``Doors.build(host, port)``: the bound address and
+    loopback names, no API key, the default body cap."""
     import urllib.error
     import urllib.request
 
+    doors = doors if doors is not None else Doors.build(host, port)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(driver_name, namespace, served_model_name, replicas), name=app_name, route_prefix="/",
-              blocking=False)
+    serve.run(build_app(driver_name, namespace, served_model_name, replicas, doors), name=app_name,
+              route_prefix="/", blocking=False)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + health_timeout_s
     while True:

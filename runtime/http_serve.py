@@ -3,7 +3,9 @@ foreground until Ctrl-C or SIGTERM, which stop the endpoint, the driver and its 
 
 With no ``--ray-address`` (and no ``RAY_ADDRESS``) it starts a private local Ray, as
 ``SpecRuntime`` does; on a cluster the ingress autoscales (``--http-replicas min,max``)
-and the driver stays the one scheduling point.
+and the driver stays the one scheduling point. ``--api-key`` (or ``SPECRAY_API_KEY``),
+``--allowed-hosts`` and ``--max-body-bytes`` set the server's doors
+(``specray.runtime.http_guard``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import signal
 import sys
 import threading
+
+from specray.runtime.http_guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, Doors
 
 
 def add_args(p) -> None:
@@ -23,6 +27,47 @@ def add_args(p) -> None:
                    help="with --http: the model name clients ask for (default: the target directory's name)")
     p.add_argument("--http-replicas", default="1", type=replicas,
                    help="with --http: ingress replicas, N or MIN,MAX (autoscaled between them)")
+    # No default shown or read here: the key is never printed, not even by --help.
+    p.add_argument("--api-key", default=None,
+                   help=f"with --http: /v1/* routes need 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else "
+                        "no key); /health stays open")
+    p.add_argument("--allowed-hosts", default=None, type=host_list,
+                   help="with --http: comma-separated Host header values the server answers to, each NAME (alone or "
+                        "with the bound port) or NAME:PORT; '*' for any (default: the --host address, localhost, "
+                        "127.0.0.1 and [::1]; bound to 0.0.0.0, also this machine's name and addresses)")
+    p.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=positive_int,
+                   help=f"with --http: the largest request body taken; larger ones are a 413 (default: "
+                        f"{DEFAULT_MAX_BODY_BYTES})")
+
+
+def host_list(text: str) -> list[str]:
+    import argparse
+
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts:
+        raise argparse.ArgumentTypeError("--allowed-hosts wants a comma-separated list of hosts, or '*'")
+    return hosts
+
+
+def positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-body-bytes wants a positive integer, got {text!r}")
+    return value
+
+
+def doors(args, environ=os.environ) -> Doors:
+    """The server's doors from its flags; the API key from ``--api-key``, else the
+    environment (an empty value is no key)."""
+    key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out for none")
+    return Doors.build(args.host, args.port, args.allowed_hosts, key, args.max_body_bytes)
 
 
 def replicas(text: str) -> tuple[int, int]:
@@ -54,6 +99,7 @@ def run(args) -> int:
     if not 0 < args.port < 65536:
         print(f"specray: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
+    gates = doors(args)
     cfg = runtime_config(args, name=args.name, namespace=args.namespace, detached=False)
     name = args.served_model_name or served_name(cfg.model.target)
     stop = threading.Event()
@@ -65,10 +111,11 @@ def run(args) -> int:
     served = False
     try:
         served = True
-        url = start_http(args.name, args.namespace, name, args.host, args.port, args.http_replicas)
+        url = start_http(args.name, args.namespace, name, args.host, args.port, args.http_replicas, doors=gates)
         spec = cfg.speculation
         print(f"specray: serving {name!r} ({cfg.model.target}, proposer={spec.proposer}, "
-              f"num_speculative_tokens={spec.num_speculative_tokens}) at {url}/v1", flush=True)
+              f"num_speculative_tokens={spec.num_speculative_tokens}) at {url}/v1"
+              f"{' (API key required)' if gates.api_key else ''}", flush=True)
         stop.wait()
         print("specray: stopping", flush=True)
     finally:

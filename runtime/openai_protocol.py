@@ -21,6 +21,7 @@ from specray.scheduler.sampling_params import SamplingParams
 MAX_LOGPROBS = 5             # completions' ``logprobs`` (OpenAI's own limit)
 MAX_TOP_LOGPROBS = 20        # chat's ``top_logprobs``
 MAX_N = 128
+MAX_CHOICES = 4096           # RuntimeConfig's default max_pending; the ingress passes its driver's
 
 # Fields clients send with their default values; any other value asks for what specray
 # does not do, and is refused rather than silently ignored.
@@ -38,8 +39,8 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                              503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "server_error")
         self.code = code
         self.retry_after_s = retry_after_s
 
@@ -148,6 +149,12 @@ def _with_logprobs(params: SamplingParams, logprobs: int | None) -> SamplingPara
         raise bad("logprobs are not available in this build of specray", "logprobs") from None
 
 
+def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    if num_prompts * n > max_choices:
+        raise bad(f"{num_prompts} prompt(s) x n={n} asks for {num_prompts * n} choices; this server takes at most "
+                  f"{max_choices} in one request", "n" if n > 1 else "prompt")
+
+
 def _choices(base: SamplingParams, prompts: list, n: int) -> tuple[list, list[SamplingParams]]:
     out_prompts, out_params = [], []
     for p in prompts:
@@ -169,11 +176,14 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
-def parse_completion(body: object, served: str, max_model_len: int) -> GenerationRequest:
+def parse_completion(body: object, served: str, max_model_len: int,
+                     max_choices: int = MAX_CHOICES) -> GenerationRequest:
     """``POST /v1/completions``: ``prompt`` a string, a list of strings, a list of token
     ids or a list of such lists."""
     body, base, n = _common(body, "completion", served, max_model_len)
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        _check_choices(len(prompt), n, max_choices)         # before walking a list of any length
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -193,6 +203,7 @@ def parse_completion(body: object, served: str, max_model_len: int) -> Generatio
         raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     base = _with_logprobs(base, logprobs)
     stream, include = _stream_fields(body)
+    _check_choices(len(prompts), n, max_choices)
     ps, pp = _choices(base, prompts, n)
     return GenerationRequest("completion", served, ps, pp, len(prompts), n, stream, include, logprobs,
                              id=f"cmpl-{uuid.uuid4().hex}")
@@ -226,9 +237,10 @@ def chat_messages(messages: object) -> list[dict]:
     return out
 
 
-def parse_chat(body: object, served: str, max_model_len: int) -> GenerationRequest:
+def parse_chat(body: object, served: str, max_model_len: int, max_choices: int = MAX_CHOICES) -> GenerationRequest:
     """``POST /v1/chat/completions``."""
     body, base, n = _common(body, "chat", served, max_model_len)
+    _check_choices(1, n, max_choices)
     prompt = ChatPrompt(chat_messages(body.get("messages")))
     want = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,))

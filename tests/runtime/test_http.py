@@ -213,11 +213,28 @@ def test_health_and_models(client, server):
 
 
 def test_a_full_driver_is_a_429_with_retry_after(client):
-    # max_pending is 64: 3 prompts x n=32 asks for 96 requests at once.
-    with pytest.raises(openai.RateLimitError) as e:
+    # max_pending is 64: a stream holding 60 requests leaves no room for 5 more.
+    held = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=200, n=20, stream=True,
+                                     extra_body={"ignore_eos": True})
+    try:
+        next(iter(held))
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, n=5)
+        assert e.value.response.headers["retry-after"] == "1"
+    finally:
+        held.close()
+    # More than the driver could ever hold is no reason to retry: a 400 naming n.
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=2, n=32)
-    assert e.value.response.headers["retry-after"] == "1"
-    assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).choices
+    assert e.value.body["param"] == "n"
+    deadline = time.time() + 30
+    while True:         # the held stream's requests are aborted between steps
+        try:
+            assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).choices
+            break
+        except openai.RateLimitError:
+            assert time.time() < deadline
+            time.sleep(0.2)
 
 
 def test_48_concurrent_streams_each_equal_the_request_alone(server):

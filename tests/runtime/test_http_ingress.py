@@ -1,13 +1,17 @@
 """The ingress's own paths that a healthy server never takes, without Ray: a driver that
 stops answering turns into 503s and an error chunk ending a stream with [DONE]; a stream
-whose client goes away aborts its requests."""
+whose client goes away aborts its requests; a request that fails on the server's side
+is told so with an error id alone, its details in the log."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 
 from ray import exceptions as rex
+from starlette.requests import Request
 
 from specray.runtime import http_ingress, openai_protocol as api
 from specray.runtime.request_output import RequestOutput
@@ -40,9 +44,13 @@ class DeadDriver:
 
 
 def ingress(driver):
+    from specray.runtime.http_guard import Doors
+
     ing = object.__new__(http_ingress.OpenAIIngress)
     ing.driver, ing.pump, ing.names = driver, http_ingress.DeltaPump(driver), {}
-    ing.metrics = type("M", (), {"end": lambda *a, **k: None})()
+    ing.metrics = type("M", (), {"end": lambda *a, **k: None, "begin": lambda *a: 0.0})()
+    ing.doors, ing.served, ing.max_model_len, ing.max_choices = Doors.build("127.0.0.1", 8000), "m", 64, 16
+    ing.has_chat_template = False
     return ing
 
 
@@ -203,10 +211,102 @@ def test_a_stream_rides_through_a_driver_restart(monkeypatch):
     assert drv.aborted == [["r1"]] and ing.pump.flight.requests == {}
 
 
-def test_a_driver_that_does_not_come_back_in_time_ends_the_stream_with_an_error(monkeypatch):
+def test_a_driver_that_does_not_come_back_in_time_ends_the_stream_with_an_error(monkeypatch, caplog):
     monkeypatch.setattr(http_ingress, "RETRY_S", 0.0)
     monkeypatch.setattr(http_ingress, "RESTART_S", 0.2)
+    caplog.set_level(logging.ERROR, logger="specray.http")
     _, pieces = stream_through_restart(RestartingDriver(down_polls=10**9))
-    err = json.loads(pieces[-2][6:])
-    assert err["error"]["type"] == "service_unavailable" and "did not serve again" in err["error"]["message"]
+    err = json.loads(pieces[-2][6:])["error"]
+    eid = re.fullmatch(r"the specray driver is unavailable; retry shortly \(error id ([0-9a-f]{8})\)",
+                       err["message"]).group(1)
+    assert err["type"] == "service_unavailable" and "did not serve again" in logged(caplog, eid)
     assert pieces[-1] == "data: [DONE]\n\n"
+
+
+def http_request(body: dict) -> Request:
+    """A POST as Starlette hands it to a route."""
+    raw = json.dumps(body).encode()
+    headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers, "query_string": b""}
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return Request(scope, receive)
+
+
+class FailingDriver(DeadDriver):
+    """Takes a request, then reports it failed with the driver's own words (which name
+    the exception of a step that another request broke)."""
+
+    DETAIL = "OverflowError: int too large to convert to float (request 7-secret)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submit = Remote(self._submit)
+
+    async def _submit(self, prompts, params, resumes=None):
+        from specray.runtime.driver import SubmitReply
+
+        return SubmitReply([f"r{i}" for i in range(len(prompts))], seeds=[1] * len(prompts))
+
+    async def _poll(self, ids, timeout):
+        from specray.runtime.driver import PollReply
+
+        await asyncio.sleep(0.001)
+        return PollReply(errors={i: self.DETAIL for i in ids})
+
+
+GENERIC = re.compile(r"the server failed to complete this request \(error id ([0-9a-f]{8})\)")
+
+
+def logged(caplog, eid: str) -> str:
+    return "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records
+                     if r.name == "specray.http" and eid in r.getMessage())
+
+
+def test_a_failed_request_is_told_only_its_error_id_and_the_log_has_the_rest(caplog):
+    caplog.set_level(logging.ERROR, logger="specray.http")
+    drv = FailingDriver()
+    ing = ingress(drv)
+    r = asyncio.run(ing._generate(http_request({"model": "m", "prompt": "x"}), "completions"))
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 500 and err["type"] == "server_error"
+    eid = GENERIC.fullmatch(err["message"]).group(1)
+    assert FailingDriver.DETAIL in logged(caplog, eid)
+    assert drv.aborted == [["r0"]]
+
+
+def test_a_failed_stream_ends_with_a_generic_chunk_then_done(caplog):
+    caplog.set_level(logging.ERROR, logger="specray.http")
+    ing = ingress(FailingDriver())
+
+    async def run():
+        queues = ing.pump.open(["r1"])
+        return await collect(ing._stream(request(), ["r1"], queues, "completions", 0.0))
+
+    pieces = asyncio.run(run())
+    assert len(pieces) == 2 and pieces[-1] == "data: [DONE]\n\n"
+    err = json.loads(pieces[0][6:])["error"]
+    eid = GENERIC.fullmatch(err["message"]).group(1)
+    assert FailingDriver.DETAIL in logged(caplog, eid)
+
+
+def test_an_unexpected_failure_in_the_ingress_is_a_generic_500(monkeypatch, caplog):
+    caplog.set_level(logging.ERROR, logger="specray.http")
+
+    def broken(*a, **k):
+        raise KeyError("a detail for the log only")
+
+    monkeypatch.setattr(api, "parse_completion", broken)
+    r = asyncio.run(ingress(FailingDriver())._generate(http_request({"model": "m", "prompt": "x"}), "completions"))
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 500 and "detail" not in err["message"]
+    eid = GENERIC.fullmatch(err["message"]).group(1)
+    text = logged(caplog, eid)
+    assert "a detail for the log only" in text and "Traceback" in text

@@ -90,3 +90,26 @@ def test_responses_carry_usage_once_per_prompt_and_specrays_figures():
     assert [c["text"] for c in body["choices"]] == ["x", "yy", "z", "w"]
     assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
     assert body["specray"] == {"num_draft_tokens": 16, "num_accepted_tokens": 8}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["a", "b", "c"], "n": 3}, "n"),
+    ({"prompt": ["a"] * 9}, "prompt"),
+    ({"prompt": [[1]] * 9}, "prompt"),
+    ({"prompt": "a", "n": 9}, "n"),
+])
+def test_more_choices_than_the_bound_are_refused_before_any_is_built(body, param):
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion({"model": "m", **body}, "m", 128, max_choices=8)
+    assert (e.value.status, e.value.param) == (400, param) and "at most 8" in e.value.message
+    assert len(api.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 4}, "m", 128, max_choices=8).params) == 8
+    assert len(api.parse_completion({"model": "m", "prompt": [1, 2, 3] * 5}, "m", 128, max_choices=8).prompts) == 1
+    with pytest.raises(api.ApiError) as e:
+        api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "m", 64, max_choices=8)
+    assert e.value.param == "n"
+
+
+def test_client_errors_are_invalid_request_errors_and_server_ones_server_errors():
+    assert [api.ApiError(s, "m").type for s in (400, 401, 404, 413, 415, 429, 500, 503)] == [
+        "invalid_request_error", "invalid_request_error", "not_found_error", "invalid_request_error",
+        "invalid_request_error", "rate_limit_error", "server_error", "service_unavailable"]
