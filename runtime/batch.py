@@ -218,6 +218,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def open_checkpoint(out: Output, items: list[Item], config):
+    """The checkpoint of this job, reporting what it set aside; None where it keeps none."""
+    from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path, model_identity
+
+    path = checkpoint_path(out.location)
+    if path is None or not items:
+        return None
+    try:
+        checkpoint = Checkpoint(path, items, model_identity(config))
+    except OSError as e:
+        raise ValueError(f"cannot keep the checkpoint {path}: {e.strerror or e}") from None
+    if checkpoint.started_over:
+        print(f"specray batch: starting over: the checkpoint {path} was replaced ({checkpoint.started_over})",
+              file=sys.stderr)
+    for why in checkpoint.ignored:
+        print(f"specray batch: ignored a checkpoint record ({why}); its line runs again", file=sys.stderr)
+    return checkpoint
+
+
 class _Refused(Exception):
     """``--on-error fail``: the driver refused a line while others were generating."""
 
@@ -307,17 +326,14 @@ def run(args) -> int:
         raise ValueError(f"cannot write --output {args.output}: {e.strerror or e}") from None
     for line, reason in errors:
         reject(line, reason)
-    from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path
-
-    ckpt_at = checkpoint_path(out.location)
-    checkpoint = Checkpoint(ckpt_at, items) if ckpt_at is not None and items else None
-    if checkpoint is not None and checkpoint.records:
-        print(f"specray batch: resuming: {len(checkpoint.records)} line(s) done by an earlier run "
-              f"({ckpt_at})", file=sys.stderr)
-        items = [it for it in items if it.line not in checkpoint.records]
-    rt = None
-    t0 = time.perf_counter()
+    checkpoint = rt = None
     try:
+        checkpoint = open_checkpoint(out, items, config)
+        if checkpoint is not None and checkpoint.records:
+            print(f"specray batch: resuming: {len(checkpoint.records)} line(s) done by an earlier run "
+                  f"({checkpoint.path})", file=sys.stderr)
+            items = [it for it in items if it.line not in checkpoint.records]
+        t0 = time.perf_counter()
         rt = SpecRuntime(config) if items else None
         t1 = time.perf_counter()
         if fail:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -105,6 +106,21 @@ def read_bytes(loc: Location) -> bytes:
         return f.read()
 
 
+def _create_beside(path: str) -> tuple[int, str]:
+    """A new file under a random name in ``path``'s directory, open for writing: (fd, its
+    path). Unlike ``mkstemp`` (mode 0600) it is created 0666 less the umask, as a plain
+    open() of ``path`` would make the output, the kernel applying the umask (reading it
+    would mean setting it, for the whole process)."""
+    directory, name = os.path.split(path)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {path}")
+
+
 class Output:
     """``-``: stdout, line by line. Anything else: a temporary file, put in place whole on
     ``commit()``, so a crash never leaves a half-written output."""
@@ -119,11 +135,7 @@ class Output:
         if loc.fs is None:
             if os.path.isdir(loc.path):
                 raise IsADirectoryError(errno.EISDIR, "it is a directory")
-            directory = os.path.dirname(loc.path)
-            fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(loc.path)}.", suffix=".tmp", dir=directory)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)     # what a plain open() would have made
+            fd, self.tmp = _create_beside(loc.path)
         else:
             from pyarrow import fs as pafs
 

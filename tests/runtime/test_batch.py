@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import pytest
 
 from specray_testing import ROOT, hf_greedy
 from specray.runtime.batch_files import Location, check_output_place
+from specray.runtime.cli_args import runtime_config
 from specray.runtime.batch import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, output_record,
                                    parse_line, read_input, run)
 from specray.runtime.batch import main as batch_main
@@ -323,8 +325,7 @@ def test_output_file_appears_whole_or_not_at_all(tmp_path, capsys):
     out.commit()
     out.discard()                               # after commit: nothing to do
     assert path.read_text() == '{"line": 1}\n' and list(tmp_path.iterdir()) == [path]
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = int(next(ln for ln in open("/proc/self/status") if ln.startswith("Umask:")).split()[1], 8)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     half = Output(str(tmp_path / "other.jsonl"))
     half.write({"line": 2})
@@ -386,6 +387,16 @@ def test_a_batch_job_killed_and_run_again_resumes_from_its_checkpoint(llama_pair
     assert not partial.exists()
 
 
+MODEL = {"target": "/models/t", "draft": "/models/d", "proposer": "draft", "num_speculative_tokens": 3,
+         "device": "cpu", "dtype": "float32", "max_model_len": 64}
+
+
+def record(line: int, prompt: list[int], tokens: list[int], **extra) -> dict:
+    """What output_record writes for a finished line."""
+    return {"line": line, **extra, "prompt_token_ids": prompt, "token_ids": tokens, "text": "",
+            "finish_reason": "length", "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+
 def test_a_checkpoint_keeps_whole_records_of_the_same_input_only(tmp_path):
     from specray.runtime.batch_checkpoint import Checkpoint, checkpoint_path
 
@@ -394,19 +405,181 @@ def test_a_checkpoint_keeps_whole_records_of_the_same_input_only(tmp_path):
     assert path == str(tmp_path / ".out.jsonl.specray-partial")
     assert checkpoint_path(None) is None
     items = [Item(i, [i], SamplingParams(max_tokens=3)) for i in (1, 2, 3)]
-    first = Checkpoint(path, items)
-    first.add([{"line": 1, "token_ids": [5]}, {"line": 2, "token_ids": [6]}])
+    first = Checkpoint(path, items, MODEL)
+    first.add([record(1, [1], [5]), record(2, [2], [6])])
     first.close()
     with open(path, "a") as f:
         f.write('{"line": 3, "tok')                 # the record a kill cut off
-    again = Checkpoint(path, items)
-    assert sorted(again.records) == [1, 2]          # line 3 runs again
-    again.add([{"line": 3, "token_ids": [7]}])
+    again = Checkpoint(path, items, MODEL)
+    assert sorted(again.records) == [1, 2] and again.ignored == [] and again.started_over is None
+    again.add([record(3, [3], [7])])
     again.close()
-    assert sorted(Checkpoint(path, items).records) == [1, 2, 3]
+    assert sorted(Checkpoint(path, items, MODEL).records) == [1, 2, 3]
+    assert os.stat(path).st_mode & 0o777 == 0o600
     # Another input (a changed line) is another job: its checkpoint starts empty.
     other = [Item(i, [i], SamplingParams(max_tokens=4)) for i in (1, 2, 3)]
-    fresh = Checkpoint(path, other)
-    assert fresh.records == {}
+    fresh = Checkpoint(path, other, MODEL)
+    assert fresh.records == {} and "another input" in fresh.started_over
     fresh.close()                                   # nothing recorded: nothing left behind
     assert not os.path.exists(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []      # no temporary file either
+
+
+def test_a_checkpoint_of_another_model_is_not_resumed(tmp_path):
+    from specray.runtime.batch_checkpoint import Checkpoint
+
+    path = str(tmp_path / ".out.jsonl.specray-partial")
+    items = [Item(i, [i], SamplingParams(max_tokens=3)) for i in (1, 2)]
+    first = Checkpoint(path, items, MODEL)
+    first.add([record(1, [1], [5])])
+    first.close()
+    for change in ({"target": "/models/t2"}, {"draft": "/models/d2"}, {"proposer": "ngram", "draft": None},
+                   {"num_speculative_tokens": 4}, {"dtype": "bfloat16"}, {"max_model_len": 128}):
+        shutil.copy(path, path + ".keep")
+        other = Checkpoint(path, items, {**MODEL, **change})
+        assert other.records == {} and other.started_over, change
+        other.close()
+        os.replace(path + ".keep", path)
+    assert sorted(Checkpoint(path, items, MODEL).records) == [1]
+
+
+def test_the_model_identity_names_what_decides_the_outputs(llama_pair, tmp_path):
+    from specray.runtime.batch_checkpoint import model_identity
+
+    t, d = llama_pair
+    link = tmp_path / "target-link"
+    link.symlink_to(t)
+
+    def identity(*flags):
+        p = argparse.ArgumentParser()
+        add_parser(p.add_subparsers(dest="command"))
+        return model_identity(runtime_config(p.parse_args(["batch", "--input", "i", "--output", "o", *flags])))
+
+    base = identity("--target", t, "--draft", d, "-k", "3")
+    assert base == {"target": os.path.realpath(t), "draft": os.path.realpath(d), "proposer": "draft",
+                    "num_speculative_tokens": 3, "device": "auto", "dtype": "auto", "max_model_len": None}
+    # The same directory by another path is the same model; a hub id counts as given.
+    assert identity("--target", str(link), "--draft", d, "-k", "3") == base
+    assert identity("--target", "org/model", "--draft", d, "-k", "3")["target"] == "org/model"
+    assert identity("--target", t, "--proposer", "ngram", "-k", "3")["draft"] is None
+
+
+def test_a_resumed_run_with_another_model_starts_over(llama_pair, tmp_path, ray_session, capsys):
+    """A checkpoint written under one model (its records made up here, so that taking them
+    shows) is resumed by the same command, and set aside by a run with another proposer."""
+    from specray.runtime.batch_checkpoint import Checkpoint, model_identity
+
+    t, d = llama_pair
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": pr}) + "\n" for pr in prompts))
+    out = tmp_path / "out.jsonl"
+    partial = str(tmp_path / ".out.jsonl.specray-partial")
+    base = ["--target", t, *MODEL_FLAGS, "--input", str(inp), "--output", str(out), "--max-tokens", "4"]
+    for model, resumed in ((["--draft", d], True), (["--proposer", "ngram"], False)):
+        p = argparse.ArgumentParser()
+        add_parser(p.add_subparsers(dest="command"))
+        items, _ = read_input(str(inp), {"max_tokens": 4, "temperature": 0.0})
+        fake = Checkpoint(partial, items, model_identity(runtime_config(p.parse_args(["batch", *base, "--draft", d]))))
+        fake.add([record(1, prompts[0], [90, 91, 92, 93])])
+        fake.close()
+        capsys.readouterr()
+        assert batch_main(base + model) == 0
+        err = capsys.readouterr().err
+        got = [json.loads(ln) for ln in out.read_text().splitlines()]
+        want = hf_greedy(t, prompts, 4)
+        assert [r["token_ids"] for r in got] == ([[90, 91, 92, 93]] + want[1:] if resumed else want), model
+        assert ("resuming: 1 line(s)" in err) == resumed and ("starting over" in err) == (not resumed), err
+        assert not os.path.exists(partial)
+
+
+def test_a_symlinked_checkpoint_is_not_followed(tmp_path, capsys):
+    """Neither read nor written through: the command refuses before starting anything, and
+    the file the link names keeps its bytes. A checkpoint that is a FIFO is refused too
+    (opening it for reading would block)."""
+    from specray.runtime.batch_checkpoint import Checkpoint
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": [1, 2, 3]}\n')
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / ".out.jsonl.specray-partial"
+    partial.symlink_to(victim)
+    assert batch_main(["--target", "/no/model", "--draft", "/no/draft", "--input", str(inp), "--output", str(out),
+                       "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint {partial} is a symbolic link, which specray does not follow" in err, err
+    assert victim.read_text() == "keep me\n" and partial.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.jsonl.specray-partial", "in.jsonl", "victim"]
+    partial.unlink()
+    os.mkfifo(partial)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        Checkpoint(str(partial), [Item(1, [1], SamplingParams())], MODEL)
+
+
+def test_a_checkpoint_is_rewritten_through_a_fresh_name_not_a_planted_link(tmp_path):
+    """The resume rewrites the checkpoint (dropping a cut-off tail): through a new mkstemp
+    file, so a link planted at the old predictable name ``<checkpoint>.tmp`` writes nowhere."""
+    from specray.runtime.batch_checkpoint import Checkpoint
+
+    path = str(tmp_path / ".out.jsonl.specray-partial")
+    items = [Item(i, [i], SamplingParams(max_tokens=3)) for i in (1, 2)]
+    first = Checkpoint(path, items, MODEL)
+    first.add([record(1, [1], [5])])
+    first.close()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    os.symlink(victim, path + ".tmp")
+    again = Checkpoint(path, items, MODEL)
+    again.add([record(2, [2], [6])])
+    again.close()
+    assert victim.read_text() == "keep me\n"
+    assert not os.path.islink(path) and sorted(Checkpoint(path, items, MODEL).records) == [1, 2]
+
+
+def test_checkpoint_records_are_checked_against_the_input(tmp_path, capsys, monkeypatch):
+    """A record that is not an object, lacks a field, or does not fit the line it names is
+    ignored with its reason, and its line runs again; only whole, fitting records stand."""
+    from specray.runtime import batch_checkpoint
+    from specray.runtime.batch import open_checkpoint
+    from specray.runtime.batch_checkpoint import VERSION, fingerprint
+
+    items = [Item(1, [1, 2], SamplingParams(max_tokens=3), id="a"), Item(2, "text", SamplingParams(max_tokens=3)),
+             Item(4, [4], SamplingParams(max_tokens=3, logprobs=1))]
+    good = record(1, [1, 2], [5, 6], id="a")
+    lines = [
+        (good, None),
+        ([1, 2], "not an object: list"),
+        ({"line": "2"}, "line is '2', not a line number"),
+        (record(3, [3], [5]), "line 3 is not an accepted line of the input"),
+        ({"line": 2, "token_ids": [5]}, "line 2: prompt_token_ids is missing or not a list"),
+        ({**record(2, [9], [5]), "text": None}, "line 2: text is missing or not a string"),
+        ({**record(2, [9], [5]), "num_draft_tokens": True}, "line 2: num_draft_tokens is missing or not an integer"),
+        (record(2, [9], [5, "x"]), "line 2: token_ids holds something other than token ids"),
+        (record(1, [1, 2], [5], id="b"), "line 1: the id does not match the input's"),
+        (record(2, [9], [5], id="a"), "line 2: the id does not match the input's"),
+        (record(1, [1, 3], [5], id="a"), "line 1: prompt_token_ids do not match the input's prompt"),
+        (record(2, [9], [5, 6, 7, 8]), "line 2: 4 tokens, more than its max_tokens 3"),
+        (record(4, [4], [5]), "line 4: logprobs missing, unlike what the line asks"),
+        (record(2, [9], [5], logprobs=[]), "line 2: logprobs present, unlike what the line asks"),
+        ("not json at all", "a line that is not JSON"),
+        (record(2, [9, 9], [7]), None),             # a string prompt: its token ids are the driver's
+    ]
+    out = Output(str(tmp_path / "out.jsonl"))
+    path = tmp_path / ".out.jsonl.specray-partial"
+    head = {"specray_checkpoint": VERSION, "input": fingerprint(items, MODEL)}
+    text = [json.dumps(head)] + [r if isinstance(r, str) else json.dumps(r) for r, _ in lines]
+    path.write_text("\n".join(text) + '\n{"line": 4, "pro')     # the last cut off by a kill: dropped without a word
+    monkeypatch.setattr(batch_checkpoint, "model_identity", lambda config: MODEL)
+    ckpt = open_checkpoint(out, items, None)
+    assert ckpt.records == {1: good, 2: lines[-1][0]}
+    assert ckpt.ignored == [why for _, why in lines if why]
+    err = capsys.readouterr().err
+    assert err.count("specray batch: ignored a checkpoint record") == len(ckpt.ignored)
+    assert "specray batch: ignored a checkpoint record (line 3 is not an accepted line of the input); its line " \
+           "runs again" in err
+    ckpt.close()
+    out.discard()
+    # What stays on disk is the header and the records that stood.
+    assert [json.loads(ln) for ln in path.read_text().splitlines()] == [head, good, lines[-1][0]]

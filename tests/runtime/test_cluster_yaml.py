@@ -1,11 +1,15 @@
 """``cluster.yaml``: Ray's own cluster-config validation, the specray resources on its node
-types, and real autoscaling of its node types on one machine.
+types, its locks (Ray token auth, the dashboard on loopback), and real autoscaling of its
+node types on one machine.
 
 The autoscaling test derives a ``fake_multinode`` config from cluster.yaml (same node
 type names, custom resources and bounds; no GPUs, one logical CPU, min_workers 0) and
 starts a head with ``ray start --head --block --autoscaling-config=...`` in its own process
 group, as ``ray.cluster_utils.AutoscalingCluster.start()`` would, but without its
-``ray stop --force`` (which kills every Ray on the machine). The fake provider launches
+``ray stop --force`` (which kills every Ray on the machine). The head runs with the
+variables and the dashboard host of cluster.yaml's head start command and a token made by
+``ray get-auth-token --generate`` where the yaml's file mount puts it, and listens on
+127.0.0.1 only. The fake provider launches
 each worker node (a raylet) from the head's autoscaler monitor, in the head's process
 group, while Ray puts each worker process (actor) in a process group of its own within
 the head's session. At the end the head's group gets SIGTERM, then every process of the
@@ -18,6 +22,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,7 +32,7 @@ import time
 import pytest
 import yaml
 
-from specray_testing import ROOT, free_port, hf_greedy, stop_ray_head
+from specray_testing import ROOT, free_port, hf_greedy, ray_pids, stop_ray_head
 
 CLUSTER_YAML = ROOT / "cluster.yaml"
 CLUSTER_DOC = ROOT / "docs" / "cluster.md"
@@ -40,6 +45,20 @@ def load() -> dict:
 
 def worker_types(cfg: dict) -> dict:
     return {n: t for n, t in cfg["available_node_types"].items() if n != cfg["head_node_type"]}
+
+
+def start_command(commands: list[str]) -> tuple[dict, list[str]]:
+    """The variables a start command exports and the arguments of its ``ray start``."""
+    (cmd,) = [c for c in commands if "ray start" in c]
+    env, args = {}, None
+    for part in cmd.split(";"):
+        words = shlex.split(part)
+        if words[:1] == ["export"]:
+            env.update(w.split("=", 1) for w in words[1:])
+        elif words[:2] == ["ray", "start"]:
+            args = words[2:]
+    assert args is not None, cmd
+    return env, args
 
 
 # -- the config as users run it ------------------------------------------------------------
@@ -92,6 +111,28 @@ def test_node_types_carry_the_specray_resources_with_sane_bounds():
     assert sum(t.get("min_workers", 0) for t in types.values()) <= cfg["max_workers"]
     assert cfg["upscaling_speed"] > 0 and cfg["idle_timeout_minutes"] > 0
     assert any("pip install" in c for c in cfg["setup_commands"])
+
+
+def test_the_cluster_asks_for_the_ray_token_and_keeps_the_dashboard_on_loopback():
+    """Token auth on every node, the token where the file mount puts it (never in the file
+    itself), the dashboard bound to the head's loopback, and the way in documented."""
+    cfg = load()
+    token_at = "$HOME/.ray/auth_token"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        env, args = start_command(cfg[key])
+        assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_at}, (key, env)
+        assert not any("0.0.0.0" in a for a in args), args
+    _, head_args = start_command(cfg["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_args
+    # The file mount puts your token at the path the start commands read.
+    assert cfg["file_mounts"].get(token_at.replace("$HOME", "~")) == "~/.ray/auth_token"
+    # Shells of `ray exec` / `ray attach` (specray serve, clients) send it too.
+    assert any("export RAY_AUTH_MODE=token" in c and ".bashrc" in c for c in cfg["setup_commands"])
+    assert "RAY_AUTH_TOKEN=" not in CLUSTER_YAML.read_text()
+    doc = CLUSTER_DOC.read_text()
+    assert "### Security" in doc
+    for needed in ("ray get-auth-token --generate", "ray dashboard cluster.yaml", "RAY_AUTH_MODE=token"):
+        assert needed in doc and needed in CLUSTER_YAML.read_text(), needed
 
 
 def _documented_flags(text: str) -> dict[str, dict]:
@@ -179,24 +220,44 @@ def test_fake_config_is_a_valid_cluster_config():
 
 
 class FakeAutoscalingHead:
-    """A head with the fake autoscaler, in its own session and private temp dir."""
+    """A head with the fake autoscaler, in its own session and private temp dir, locked as
+    cluster.yaml's head start command locks it."""
 
     def __init__(self, cfg: dict) -> None:
-        self.port, client_port = free_port(), free_port()
+        self.port, self.dashboard_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.tmp = tempfile.mkdtemp(prefix="srf", dir="/tmp")   # short: unix socket paths < 107 chars
         conf = os.path.join(self.tmp, "autoscaler.yaml")
         with open(conf, "w") as f:
             json.dump(fake_config(cfg, self.address), f)
-        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled", RAY_TMPDIR=self.tmp,
-                   AUTOSCALER_UPDATE_INTERVAL_S="1")
-        env.pop("RAY_ADDRESS", None)
+        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_TMPDIR=self.tmp, AUTOSCALER_UPDATE_INTERVAL_S="1",
+                   # Ray resolves --node-ip-address=127.0.0.1 to the machine's network address, and
+                   # its GCS and raylets then listen on every interface, unless multi-node clusters
+                   # are off (as on macOS and Windows); the fake nodes are not `ray start`ed, so
+                   # they come up all the same, on 127.0.0.1.
+                   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.pop(name, None)
+        # The token as users make it, in a home of its own; the yaml's file mount copies that
+        # file to the nodes' homes, where its start commands read it.
+        home = os.path.join(self.tmp, "home")
+        os.mkdir(home)
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+                       env=dict(env, HOME=home), check=True, capture_output=True, timeout=60)
+        self.token = open(os.path.join(home, ".ray", "auth_token")).read().strip()
+        head_env, head_args = start_command(cfg["head_start_ray_commands"])
+        env.update({k: v.replace("$HOME", home) for k, v in head_env.items()})
+        dashboard_host = [a for a in head_args if a.startswith("--dashboard-host=")]
         self.env = env
         self.log_path = os.path.join(self.tmp, "head.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(    # this interpreter (see conftest's ray_head)
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={self.port}", f"--ray-client-server-port={client_port}",
-             "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={self.tmp}",
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={self.port}",
+             "--node-ip-address=127.0.0.1", *dashboard_host, f"--dashboard-port={self.dashboard_port}",
+             # Every port explicit (see conftest's ray_head).
+             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+             f"--metrics-export-port={free_port()}", "--num-cpus=1", f"--temp-dir={self.tmp}",
              "--object-store-memory=100000000", "--disable-usage-stats", f"--autoscaling-config={conf}"],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -219,6 +280,35 @@ class FakeAutoscalingHead:
         self._log.close()
         if not keep_logs:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """Every address a TCP socket held by one of ``pids`` listens on (from /proc)."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue                        # gone meanwhile
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] != "0A" or f[9] not in inodes:      # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(f[1].split(":")[0])      # 32-bit words, each in host (little-endian) order
+            ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
 
 
 CLIENT = """
@@ -264,6 +354,25 @@ def test_autoscaler_launches_target_and_draft_nodes_for_the_workers(llama_pair):
 
         assert got["tokens"] == hf_greedy(t, prompts, 12)
         assert got["num_draft_tokens"] > 0
+
+        # Locked as cluster.yaml locks it: the dashboard's Jobs API wants the token ...
+        import urllib.error
+        import urllib.request
+
+        jobs = f"http://127.0.0.1:{head.dashboard_port}/api/jobs/"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(jobs, timeout=30)
+        assert refused.value.code == 401
+        bearer = urllib.request.Request(jobs, headers={"Authorization": f"Bearer {head.token}"})
+        with urllib.request.urlopen(bearer, timeout=30) as r:
+            assert r.status == 200
+        # ... so does the GCS ...
+        wrong = subprocess.run([sys.executable, "-c", "import ray; ray.init()"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120, env=dict(env, RAY_ADDRESS=head.address, RAY_AUTH_TOKEN="0" * 32))
+        assert wrong.returncode != 0 and "InvalidAuthToken" in wrong.stderr, wrong.stderr[-3000:]
+        # ... and every server of the cluster, the autoscaled nodes' included, is on loopback.
+        addresses = listening_addresses(ray_pids(head.proc.pid, head.tmp))
+        assert addresses and addresses <= {"127.0.0.1", "::1"}, addresses
 
         nodes = {n["node_id"]: n["resources"] for n in got["nodes"]}
         kinds = {nid: [k for k, r in RESOURCE.items() if r in res] for nid, res in nodes.items()}
