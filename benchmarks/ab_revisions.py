@@ -31,9 +31,9 @@ import json, sys, time
 import torch
 torch.set_num_threads(1)
 from specray import RuntimeConfig, SamplingParams
-from specray.runtime.cli_args import builtin_model
-from specray.runtime.driver import DriverCore
-from specray.runtime.stdlib_corpus import held_out_prompts
+from specray.runtime.entrypoints.cli_args import builtin_model
+from specray.runtime.driver.core import DriverCore
+from specray.runtime.bench.stdlib_corpus import held_out_prompts
 
 proposer, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kw = dict(target=builtin_model("tiny-target"), proposer=proposer)

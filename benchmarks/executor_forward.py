@@ -31,7 +31,7 @@ import time
 def main() -> int:
     import torch
 
-    from specray.runtime.cli_args import builtin_model
+    from specray.runtime.entrypoints.cli_args import builtin_model
     from specray.scheduler.messages import StepPlan
     from specray.scheduler.config import CacheConfig
     from specray.workers.config import ModelConfig

@@ -60,8 +60,8 @@ def main() -> None:
     from specray.runtime.bench.run import batch_prompts, rotated
     from specray.runtime.bench.stats import within_repeats
     from specray.runtime.config import RuntimeConfig
-    from specray.runtime.driver import DriverCore
-    from specray.runtime.stdlib_corpus import held_out_prompts
+    from specray.runtime.driver.core import DriverCore
+    from specray.runtime.bench.stdlib_corpus import held_out_prompts
     from specray.scheduler.adaptive import AdaptivePolicy
     from specray.scheduler.config import SpeculationConfig
     from specray.scheduler.sampling_params import SamplingParams

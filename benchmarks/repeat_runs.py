@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = []
         for i in range(1, args.runs + 1):
             out = Path(args.out) / f"run{i}"
-            cmd = [sys.executable, "-m", "specray.runtime.cli", "bench", *bench_args, "--out", str(out)]
+            cmd = [sys.executable, "-m", "specray.runtime.entrypoints.cli", "bench", *bench_args, "--out", str(out)]
             print(f"run {i}/{args.runs}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode:

@@ -149,7 +149,7 @@ def main():
 
     from specray import RuntimeConfig, SpecRuntime
     from specray.runtime.bench.prompts import bench_prompts
-    from specray.runtime.http_ingress import start_http, stop_http
+    from specray.runtime.entrypoints.openai.ingress import start_http, stop_http
     from specray.runtime.model_store import builtin_model
     from transformers import AutoTokenizer
 

@@ -50,8 +50,8 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from specray.runtime.cli_args import builtin_model
-    from specray.runtime.stdlib_corpus import held_out_prompts
+    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.bench.stdlib_corpus import held_out_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=builtin_model("tiny-target"))

@@ -14,11 +14,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import ClusterConfig, RuntimeConfig
-from specray.runtime.driver import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
-from specray.runtime.driver_restarts import DriverGone, actor_errors, wait_for_driver
+from specray.runtime.driver.core import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
+from specray.runtime.driver.restarts import DriverGone, actor_errors, wait_for_driver
 from specray.runtime import layout, ray_env
 from specray.runtime.request_output import RequestOutput
-from specray.runtime.resume import InFlight, WaitReply
+from specray.runtime.driver.resume import InFlight, WaitReply
 from specray.scheduler.sampling_params import SamplingParams
 
 _POLL_S = 1.0
@@ -36,7 +36,7 @@ class SpecRuntime:
         # resources and lands wherever those are (on an autoscaling cluster, a target node).
         # Asking for nothing, it lives on this process's node: the node that stays (head or
         # job node); not soft, because Ray's soft affinity moved it to other nodes in tests.
-        from specray.runtime.actor_handle import actor_options
+        from specray.runtime.transport.actor_handle import actor_options
 
         device = config.model.device
         gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)

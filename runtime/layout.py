@@ -21,7 +21,7 @@ from specray.runtime.config import RuntimeConfig
 
 log = logging.getLogger("specray")
 
-# The driver backend each layout runs on (specray.runtime.worker_pool.start_workers).
+# The driver backend each layout runs on (specray.runtime.transport.worker_pool.start_workers).
 BACKENDS = {"colocated": "local", "actors": "hosted"}
 
 

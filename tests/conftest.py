@@ -9,10 +9,16 @@ import tempfile
 
 import pytest
 
-from specray_testing import free_port, make_pair, stop_ray_head
+from specray_testing import free_port, make_pair, make_plan, stop_ray_head
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def plan_builder():
+    """A StepPlan the way the driver fills it (``specray_testing.make_plan``)."""
+    return make_plan
 
 
 @pytest.fixture(scope="session")

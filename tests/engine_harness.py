@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specray.runtime.engine import Engine
-from specray.runtime.worker_call import WorkerLost
+from specray.runtime.engine.core import Engine
+from specray.runtime.transport.worker_call import WorkerLost
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode

@@ -7,6 +7,8 @@ import os
 import random
 from pathlib import Path
 
+from specray.scheduler.messages import StepPlan
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -206,7 +208,7 @@ def stop_ray_head(proc, tmp: str) -> list[int]:
 def run_local(cfg, prompts, params):
     """Serve one batch on an in-process driver (the whole path but Ray); checks the pools
     are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
-    from specray.runtime.driver import DriverCore
+    from specray.runtime.driver.core import DriverCore
 
     drv = DriverCore(cfg, backend="local")
     try:
@@ -229,3 +231,23 @@ def disagreeing_pair(out_dir: Path) -> tuple[str, str]:
     t, d = make_pair(out_dir, tokenizer=True)
     word_tokenizer(97, prefix="v").save_pretrained(d)
     return t, d
+
+
+def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, proposal_lens=None,
+              proposal_token_ids=None, draft_rows=None, temperature=None, top_k=None, top_p=None,
+              seeds=None, logprobs=None, free_seq_ids=(), step_id=0) -> StepPlan:
+    """A StepPlan the way the driver fills it; per-sequence knobs default to greedy/off."""
+    n = len(seq_ids)
+    plan = StepPlan(step_id=step_id, width=width, seq_ids=list(seq_ids), num_computed=list(num_computed),
+                    num_new=list(num_new), token_ids=list(token_ids), num_slots=list(num_slots),
+                    proposal_lens=list(proposal_lens) if proposal_lens is not None else [0] * n,
+                    proposal_token_ids=list(proposal_token_ids or []),
+                    draft_rows=list(draft_rows) if draft_rows is not None else ([-1] * n if proposal_token_ids else []),
+                    temperature=list(temperature) if temperature is not None else [0.0] * n,
+                    top_k=list(top_k) if top_k is not None else [0] * n,
+                    top_p=list(top_p) if top_p is not None else [1.0] * n,
+                    seeds=list(seeds) if seeds is not None else [0] * n,
+                    logprobs=list(logprobs) if logprobs is not None else [],
+                    free_seq_ids=list(free_seq_ids))
+    plan.validate()
+    return plan

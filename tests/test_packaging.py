@@ -32,7 +32,7 @@ def test_wheel_installs_only_specray(wheel):
                    "specray/scheduler/adaptive/policy.py"):
         assert module in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "specray = specray.runtime.cli:main" in entry
+    assert "specray = specray.runtime.entrypoints.cli:main" in entry
 
 
 def test_public_names_import_without_loading_ray_for_the_scheduler():

@@ -1,5 +1,5 @@
 """How a worker refuses a plan. Plain exceptions without torch: the driver's side
-(``specray.runtime.actor_handle``) tells a restarted worker from a bad plan by them."""
+(``specray.runtime.transport.actor_handle``) tells a restarted worker from a bad plan by them."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def bench_prompts(prompt_set: str, count: int, tokenizer, prompt_bytes: int = 16
     from specray.workers.model_loader import encode_prompt
 
     if prompt_set == "code":
-        from specray.runtime.stdlib_corpus import held_out_prompts
+        from specray.runtime.bench.stdlib_corpus import held_out_prompts
 
         return [encode_prompt(tokenizer, t) for t in held_out_prompts(count, prompt_bytes)]
     if prompt_set == "repeat":

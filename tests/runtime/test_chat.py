@@ -11,7 +11,7 @@ import pytest
 
 from specray_testing import hf_greedy, make_pair, word_tokenizer
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
-from specray.runtime.batch import main as batch_main
+from specray.runtime.entrypoints.batch.job import main as batch_main
 from specray.runtime.chat import check_messages
 
 # Roles become marker words; the generation prompt is "w7". Words w3..w96 are the vocabulary.

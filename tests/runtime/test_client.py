@@ -156,7 +156,7 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
 
     from ray._private.state import actors
 
-    from specray.runtime.worker_pool import StartCancelled, start_workers
+    from specray.runtime.transport.worker_pool import StartCancelled, start_workers
 
     def alive() -> list[str]:
         return sorted(a["ActorClassName"] for a in actors().values()

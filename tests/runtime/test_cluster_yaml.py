@@ -151,9 +151,9 @@ def _documented_flags(text: str) -> dict[str, dict]:
 def test_documented_flags_place_each_worker_on_its_own_node_type(doc):
     """The flags the comments and docs tell users to pass give worker actors bundles that
     fit their node type (with the GPU a CUDA worker adds) and no other node type."""
-    from specray.runtime.cli_args import add_model_args, runtime_config
-    from specray.runtime.actor_handle import actor_options
-    from specray.runtime.worker_pool import _bundle
+    from specray.runtime.entrypoints.cli_args import add_model_args, runtime_config
+    from specray.runtime.transport.actor_handle import actor_options
+    from specray.runtime.transport.worker_pool import _bundle
     import argparse
 
     flags = _documented_flags(doc.read_text())

@@ -51,7 +51,7 @@ def test_greedy_equals_hf_generate(pair_and_reference, proposer, k):
 def test_suffix_decoding_learns_from_finished_requests_and_stays_exact(pair_and_reference, proposer):
     """Asked again, the prompts' greedy answers come from the global tree: the target
     accepts nearly every proposal, and the output is still transformers' own."""
-    from specray.runtime.driver import DriverCore
+    from specray.runtime.driver.core import DriverCore
 
     t, d, expected = pair_and_reference
     cfg = RuntimeConfig(target=t, draft=d if "draft" in proposer else None, proposer=proposer,

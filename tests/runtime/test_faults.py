@@ -143,7 +143,7 @@ def test_a_draft_worker_past_its_restarts_is_reported_dead_and_decoding_goes_on(
 def test_requests_fail_clearly_once_every_target_worker_is_dead_for_good(ray_session, llama_pair):
     """Every target worker an actor (a driver whose workers are all actors: ``backend="ray"``;
     in the actor layout the first target worker lives and dies with the driver)."""
-    from specray.runtime.driver import DriverCore
+    from specray.runtime.driver.core import DriverCore
 
     t, d = llama_pair
     drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",

@@ -8,7 +8,7 @@ import torch
 
 from specray_testing import hf_greedy, make_pair, run_local
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray_testing import hf_greedy
 
 NUM_PROMPTS = 40

@@ -10,7 +10,7 @@ import torch
 
 from specray_testing import hf_greedy, run_local
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 from specray.workers import step_graphs
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 V = 8
@@ -206,7 +206,7 @@ def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vo
 def test_two_groups_in_flight_keep_the_target_distribution(tiny_vocab_pair):
     """While the target verifies one group the draft proposes for the other
     (``GroupEngine``, in process: the order of calls is what groups change)."""
-    from specray.runtime.step_groups import GroupEngine
+    from specray.runtime.engine.step_groups import GroupEngine
 
     target, draft = tiny_vocab_pair
     cfg = RuntimeConfig(target=target, draft=draft, num_speculative_tokens=1, block_size=4, device="cpu",

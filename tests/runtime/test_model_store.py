@@ -15,7 +15,7 @@ import pytest
 
 import specray
 from specray.runtime import model_store
-from specray.runtime.cli import main
+from specray.runtime.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_a_missing_builtin_model_says_where_it_looked(tmp_path, monkeypatch):
     assert str(e.value) == (f"the built-in model 'tiny-target' is not installed (looked in {installed} and "
                             f"{clone}); reinstall specray, or pass the path of a model directory")
     # The CLI's defaults then ask for --target instead.
-    from specray.runtime.cli_args import builtin_model
+    from specray.runtime.entrypoints.cli_args import builtin_model
     assert builtin_model("tiny-target") is None
 
 
@@ -254,7 +254,7 @@ def test_a_fetched_model_gets_plain_modes_without_touching_the_umask(cache, umas
 
 
 def test_a_batch_output_gets_plain_modes_without_touching_the_umask(tmp_path, umask_027):
-    from specray.runtime.batch_files import Output
+    from specray.runtime.entrypoints.batch.files import Output
 
     out = Output(str(tmp_path / "out.jsonl"))
     (tmp_name,) = [p.name for p in tmp_path.iterdir()]

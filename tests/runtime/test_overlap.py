@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6], [12] * 7]

@@ -8,7 +8,7 @@ import pytest
 
 from specray_testing import disagreeing_pair, hf_greedy, make_pair, run_local
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 
 V = 97

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from specray.scheduler.messages import StepPlan
 
 VOCAB = 96
 
@@ -72,31 +71,6 @@ def hf_greedy(model, tokens: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(hf_logits(model, seq)[-1].argmax()))
     return seq[len(tokens):]
-
-
-def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, proposal_lens=None,
-              proposal_token_ids=None, draft_rows=None, temperature=None, top_k=None, top_p=None,
-              seeds=None, logprobs=None, free_seq_ids=(), step_id=0) -> StepPlan:
-    """A StepPlan the way the driver fills it; per-sequence knobs default to greedy/off."""
-    n = len(seq_ids)
-    plan = StepPlan(step_id=step_id, width=width, seq_ids=list(seq_ids), num_computed=list(num_computed),
-                    num_new=list(num_new), token_ids=list(token_ids), num_slots=list(num_slots),
-                    proposal_lens=list(proposal_lens) if proposal_lens is not None else [0] * n,
-                    proposal_token_ids=list(proposal_token_ids or []),
-                    draft_rows=list(draft_rows) if draft_rows is not None else ([-1] * n if proposal_token_ids else []),
-                    temperature=list(temperature) if temperature is not None else [0.0] * n,
-                    top_k=list(top_k) if top_k is not None else [0] * n,
-                    top_p=list(top_p) if top_p is not None else [1.0] * n,
-                    seeds=list(seeds) if seeds is not None else [0] * n,
-                    logprobs=list(logprobs) if logprobs is not None else [],
-                    free_seq_ids=list(free_seq_ids))
-    plan.validate()
-    return plan
-
-
-@pytest.fixture(scope="session")
-def plan_builder():
-    return make_plan
 
 
 @pytest.fixture(scope="session")

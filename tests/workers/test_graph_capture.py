@@ -12,7 +12,7 @@ import pytest
 from specray_testing import hf_greedy, model_runner
 
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 from specray.workers import graph_capture, step_graphs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.runtime import worker_pool
+from specray.runtime.transport import worker_pool
 from specray.runtime.config import RuntimeConfig
 from specray.scheduler.config import CacheConfig
 from specray.workers import memory_budget

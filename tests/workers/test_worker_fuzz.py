@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
-from specray.runtime.engine import Engine
-from specray.runtime.worker_call import LocalCall
+from specray.runtime.engine.core import Engine
+from specray.runtime.transport.worker_call import LocalCall
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence

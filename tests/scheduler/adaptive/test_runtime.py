@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specray_testing import hf_greedy
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.driver import DriverCore
+from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.adaptive.step_cost import StepCostModel
 

@@ -1,0 +1,669 @@
+"""The driver: owns the scheduler and the workers, runs the step loop on its own thread,
+and serves clients (submit, wait, stream polls, metrics) concurrently.
+
+``DriverCore`` is the driver itself; ``Driver`` is the Ray actor around it (threaded:
+client calls are answered while the loop thread waits on workers). With
+``backend="local"`` the core runs the workers in-process (co-located mode, and tests
+that exercise the whole path quickly without actors).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+
+import ray
+
+from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver.restarts import RestartLog
+from specray.runtime.engine.core import Engine
+from specray.runtime.engine.step_groups import GroupEngine, wants_groups
+from specray.scheduler.policies import build_policy
+from specray.runtime.request_output import RequestOutput
+from specray.runtime.driver.resume import Progress, Resume, WaitReply
+from specray.runtime.driver.stop_strings import held_back, stop_cut
+from specray.runtime.transport.worker_pool import start_workers
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.scheduler import Scheduler
+from specray.scheduler.sequence import Sequence
+
+
+# A refused call names its first bad request so that callers can drop it and resubmit.
+REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
+
+
+def request_error(i: int, why) -> str:
+    return f"request {i}: {why}"
+
+
+class Overloaded(RuntimeError):
+    """The driver already holds ``max_pending`` unfinished requests. Nothing of the refused
+    submit was admitted; retrying later is safe."""
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    """What a client knows of a driver: its configuration, whole, and what the driver read
+    from the models."""
+
+    config: RuntimeConfig
+    vocab_size: int
+    max_model_len: int            # the window in force: the configured one or the models', the smaller
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+    has_chat_template: bool
+
+
+@dataclass
+class SubmitReply:
+    request_ids: list[str]
+    error: str | None = None
+    overloaded: bool = False     # the requests were valid; the driver had no room for them
+    seeds: list[int] = field(default_factory=list)   # each request's seed: its own, else the one drawn for it
+
+
+@dataclass
+class PollReply:
+    """``poll_many``'s answer: the new part of each request that has one (finished ones
+    last appear here with their ``finish_reason``), why each failed one failed, and the
+    ids the driver does not hold (never submitted, delivered, or aborted)."""
+
+    deltas: list[RequestOutput] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: list[int]
+    sent_tokens: int = 0
+    sent_text: int = 0
+    error: str | None = None
+    stop_text_at: int | None = None    # where a matched stop string begins in the output text
+    stop_checked: int = 0              # output tokens already searched for stop strings
+    # What clients see: the output of whole steps only (the loop appends a step's tokens
+    # without the lock, and a stop string may cut them after), so a client's output always
+    # ends where a step ended: where a resumed request continues exactly.
+    committed: int = 0                 # output tokens shown
+    closed: bool = False               # the finish shown
+    counts: tuple[int, int] = (0, 0)   # num_draft_tokens, num_accepted_tokens of the steps shown
+
+    def commit(self) -> None:
+        seq = self.seq
+        self.committed, self.closed = seq.output_len, seq.finished
+        self.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
+
+
+def _call_off(launch: Future, cancel: threading.Event) -> None:
+    """Workers starting for a driver that then refused its configuration: call the start
+    off (on Ray at once; in this process once the model it is loading is in) and release
+    whatever it had already taken."""
+    cancel.set()
+    try:
+        pool = launch.result()
+    except BaseException:
+        return          # called off, or failed as well: it released its own
+    pool.release()
+
+
+class DriverCore:
+    def __init__(self, config: RuntimeConfig, backend: str = "ray", export_metrics: bool | None = None) -> None:
+        """``backend``: "ray" (workers are actors), "hosted" (the actor layout: the target
+        worker in this process, draft workers actors) or "local" (workers in this process,
+        as in co-located mode and in tests); ``export_metrics``: publish on Ray's metrics
+        API (default: with the ray backend)."""
+        self.config = config
+        self.layout = "colocated" if backend == "local" else "actors"
+        policy = build_policy(config.speculation)      # bad policy options are refused before any start
+        # The workers start first and load their models while this process reads configs
+        # and the tokenizer (importing transformers alone takes seconds): each worker
+        # bounds its own window by the models'.
+        cancel = threading.Event()
+        if backend in ("local", "hosted"):
+            # Workers load in this process too: transformers imported from two threads at
+            # once fails half-initialised, so it is imported here first.
+            import specray.workers.target_worker  # noqa: F401
+        with ThreadPoolExecutor(1, thread_name_prefix="specray-start") as ex:
+            launch = ex.submit(start_workers, config, backend, cancel)
+            try:
+                draft_len = self._read_models(config)
+            except BaseException:
+                _call_off(launch, cancel)
+                raise
+            self.pool = launch.result()
+        bs = config.cache.block_size
+        draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
+        spec = config.speculation
+        if spec.overlap is None:
+            # Pre-draft wherever draft actors compute beside the target: not in this
+            # process, nor over a compiled graph's channel (one step at a time).
+            spec = replace(spec, overlap=backend != "local" and not config.cluster.compiled_graph)
+        self.scheduler = Scheduler(config.cache, spec, self.max_model_len,
+                                   [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
+                                   draft_max_len=draft_len, num_proposers=len(self.pool.proposers), policy=policy)
+        # Pre-drafts run while the target verifies where draft workers are actors; in
+        # process (backend "local") they run in turn, computing the same windows.
+        engine = GroupEngine if wants_groups(config, backend) else Engine
+        self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
+                             config.cluster.target_down_timeout_s, overlap=spec.overlap,
+                             suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.draft_model)
+        self._rng = random.Random(config.seed)
+        self._cv = threading.Condition()
+        self._incoming: list[Sequence] = []
+        self._aborted: list[Sequence] = []
+        self._num_aborted = 0
+        self._requests: dict[str, _Request] = {}
+        # Stream polls waiting for tokens: the loop wakes waiters every step only while one
+        # waits; ``wait`` callers need a wake-up only when a request ends (waking them every
+        # step hands the GIL to a thread with nothing to do, a tenth of a batch-1 step).
+        self._pollers = 0
+        self._next_seq = 0
+        self._stop = False
+        self._last_error: str | None = None
+        self._exporter = None
+        if export_metrics if export_metrics is not None else backend == "ray":
+            from specray.runtime.driver.metrics_export import RayMetrics
+
+            self._exporter = RayMetrics(config.cluster.name or "anonymous")
+        self._thread = threading.Thread(target=self._loop, name="specray-step-loop", daemon=True)
+        self._thread.start()
+
+    def _read_models(self, config: RuntimeConfig) -> int | None:
+        """The driver's own view of the models: vocabulary, window, EOS ids and the
+        tokenizer; checks the pair agrees. Returns the draft's window (None without one)."""
+        # Imported here, not at module level: the client process defines the driver actor
+        # from this class and should not pay for torch and transformers (seconds per CLI call).
+        from specray.workers import model_loader
+        from specray.workers.vocabulary import check_pair
+
+        def tokenizer_or_none(path: str):
+            try:
+                return model_loader.load_tokenizer(path)
+            except Exception:
+                return None
+
+        model = config.model
+        tcfg = model_loader.load_config(model.target)
+        self.vocab_size = tcfg.vocab_size
+        target_len = model_loader.max_model_len(tcfg)
+        self.max_model_len = min(model.max_model_len or target_len, target_len)
+        self.eos_ids = model_loader.eos_token_ids(tcfg)
+        k = config.speculation.num_speculative_tokens
+        if k >= self.max_model_len:
+            raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {self.max_model_len}")
+        self.tokenizer = tokenizer_or_none(model.target)  # None: token-id prompts only
+        draft_len = None
+        if model.draft is not None:
+            dcfg = model_loader.load_config(model.draft)
+            # Vocabulary sizes may differ (padding); the token ids both score must agree.
+            check_pair(model.target, model.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,
+                       tokenizer_or_none(model.draft) if self.tokenizer is not None else None)
+            # The draft worker's window: its own, within the target's and max_model_len
+            # (``ModelRunner``); a pre-draft reserves slots up to it.
+            own = model_loader.max_model_len(dcfg)
+            draft_len = min(self.max_model_len, own) if own else self.max_model_len
+        return draft_len
+
+    # -- client API ----------------------------------------------------------------
+    def info(self) -> DriverInfo:
+        return DriverInfo(self.config, self.vocab_size, self.max_model_len, list(self.eos_ids),
+                          self.tokenizer is not None, bool(getattr(self.tokenizer, "chat_template", None)))
+
+    def check(self, prompts: list, params: list) -> str | None:
+        """What ``submit`` would refuse these requests for (``request i: ...``), admitting
+        nothing: a caller feeding a large call in parts checks it whole first."""
+        if not isinstance(prompts, list) or not isinstance(params, list) or len(prompts) != len(params):
+            return "prompts and params must be lists of equal length"
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self._prepare(prompt, p)
+            except ValueError as e:
+                return request_error(i, e)
+        return None
+
+    def submit(self, prompts: list, params: list, resumes: list | None = None) -> SubmitReply:
+        """Validate every request first; admit all of them or none. ``resumes``: per
+        request None or the ``Resume`` of one a client held when its driver died (it is
+        admitted past ``max_pending``: it was accepted once)."""
+        if not isinstance(prompts, list) or not isinstance(params, list) or len(prompts) != len(params):
+            return SubmitReply([], "prompts and params must be lists of equal length")
+        if resumes is not None and (not isinstance(resumes, list) or len(resumes) != len(prompts)):
+            return SubmitReply([], "resumes must be a list as long as prompts")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                seqs.append(self._make_seq(prompt, p, resumes[i] if resumes else None))
+            except ValueError as e:
+                return SubmitReply([], request_error(i, e))
+        with self._cv:
+            if self._stop:
+                return SubmitReply([], "the runtime is shut down")
+            # Bounded memory: the queue never holds more than max_pending unfinished requests.
+            # Counted here (not kept as a running total) so no path that ends a request can
+            # forget to decrement it; O(max_pending) per submit is microseconds.
+            pending = sum(1 for r in self._requests.values() if not r.seq.finished)
+            fresh = sum(1 for _, _, r in seqs if r is None)
+            if fresh and pending + len(seqs) > self.config.max_pending:
+                return SubmitReply([], f"overloaded: {pending} requests pending, max_pending is "
+                                       f"{self.config.max_pending}; this submit of {len(seqs)} was refused, "
+                                       "retry once some finish", overloaded=True)
+            for seq, prompt, resume in seqs:
+                req = self._requests[seq.request_id] = _Request(seq, prompt)
+                if resume is not None:
+                    # The client holds these tokens, and a stream this much of their text.
+                    req.sent_tokens = req.stop_checked = req.committed = len(resume.token_ids)
+                    req.sent_text = resume.text_len
+                    req.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
+                self._incoming.append(seq)
+            self._cv.notify_all()
+        return SubmitReply([s.request_id for s, _, _ in seqs], seeds=[s.seed for s, _, _ in seqs])
+
+    def _make_seq(self, prompt, params, resume: Resume | None = None) -> tuple[Sequence, list[int], Resume | None]:
+        ids, params = self._prepare(prompt, params)
+        if resume is not None:
+            if not isinstance(resume, Resume):
+                raise ValueError(f"resume must be a Resume, got {type(resume).__name__}")
+            resume.check(params, self.vocab_size, self.max_model_len)
+            ids = list(resume.prompt_token_ids)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._cv:
+            self._next_seq += 1
+            sid = self._next_seq
+        # A resumed request's sequence is the original's: same prompt, its output so far
+        # (its KV is recomputed from tokens[0:], as after a preemption).
+        seq = Sequence(seq_id=sid, request_id=f"{sid}-{uuid.uuid4().hex[:8]}", prompt_len=len(ids),
+                       tokens=list(ids) + (resume.token_ids if resume else []), params=params, seed=seed,
+                       stop_ids=frozenset(stops))
+        if resume is not None:
+            seq.num_draft_tokens, seq.num_accepted_tokens = resume.num_draft_tokens, resume.num_accepted_tokens
+            if seq.logprobs is not None:
+                seq.logprobs = list(resume.logprobs)
+        return seq, list(ids), resume
+
+    def _prepare(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and params, validated; no state changes (check() runs it
+        on requests it does not admit)."""
+        if isinstance(params, SamplingParams):
+            params = SamplingParams(**asdict(params))          # re-validate what crossed the wire
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        else:
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
+            ids = self._tokenize(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            messages = check_messages(prompt.messages)
+            if self.tokenizer is None:
+                raise ValueError("messages need the target's tokenizer and chat template; it has no tokenizer")
+            from specray.workers.model_loader import encode_chat
+
+            ids = encode_chat(self.tokenizer, messages)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt token ids must be ints, got {type(t).__name__}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} "
+                             "leaves no room to generate")
+        largest = max(self.scheduler.target_pools, key=lambda p: p.num_blocks)
+        need = largest.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need > largest.num_blocks:
+            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks, but a target worker holds only "
+                             f"{largest.num_blocks}: lower max_tokens or raise num_kv_blocks")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary")
+        return ids, params
+
+    def _tokenize(self, text: str) -> list[int]:
+        from specray.workers.model_loader import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
+
+    def wait(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput] | None:
+        """All outputs once every request has finished; None if the timeout passes first."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not all(self._requests[r].closed for r in request_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            try:
+                return [self._output(self._requests[r]) for r in request_ids]
+            finally:
+                for r in request_ids:   # delivered (or failed): forget them either way
+                    del self._requests[r]
+
+    def wait_progress(self, request_ids: list[str], have: list[int], timeout: float = 1.0) -> WaitReply:
+        """``wait`` for a client that can resume: the ids this driver does not hold are
+        named (it restarted since), and at the timeout each request's whole steps past the
+        ``have[i]`` output tokens its client holds come back, for it to resume from."""
+        with self._cv:
+            unknown = [r for r in request_ids if r not in self._requests]
+        if unknown:
+            return WaitReply(unknown=unknown)
+        outs = self.wait(request_ids, timeout)
+        if outs is not None:
+            return WaitReply(outputs=outs)
+        reply = WaitReply()
+        with self._cv:
+            for rid, n in zip(request_ids, have):
+                req = self._requests.get(rid)
+                if req is None or req.committed <= n or req.error:
+                    continue
+                seq, end = req.seq, req.committed
+                lps = seq.logprobs[n:end] if seq.logprobs is not None else None
+                reply.progress.append(Progress(rid, seq.output_tokens[n:end], lps, *req.counts,
+                                               prompt_token_ids=None if n else list(req.prompt)))
+        return reply
+
+    def poll(self, request_id: str, timeout: float = 1.0) -> RequestOutput | None:
+        """The new part of a request's output since the last poll (None: nothing new yet)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise ValueError(f"unknown request_id {request_id!r}")
+            while not self._has_news(req):
+                if not self._wait_for_step(deadline):
+                    return None
+            try:
+                return self._delta(request_id, req)
+            except RuntimeError:
+                del self._requests[request_id]
+                raise
+
+    def poll_many(self, request_ids: list[str], timeout: float = 1.0) -> PollReply:
+        """``poll`` for many requests in one call (an HTTP ingress serving many streams):
+        returns once any of them has something new, or at the timeout."""
+        deadline = time.monotonic() + timeout
+        reply = PollReply()
+        with self._cv:
+            while True:
+                for rid in request_ids:
+                    req = self._requests.get(rid)
+                    if req is None:
+                        reply.unknown.append(rid)
+                    elif self._has_news(req):
+                        try:
+                            reply.deltas.append(self._delta(rid, req))
+                        except RuntimeError as e:
+                            del self._requests[rid]
+                            reply.errors[rid] = str(e)
+                if reply.deltas or reply.errors or reply.unknown or not self._wait_for_step(deadline):
+                    return reply
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Stop these requests (a client went away): nothing more is delivered for them and
+        their KV blocks are freed before the next step. Returns the ids it stopped; ids it
+        does not hold, or that already finished, are passed over."""
+        stopped = []
+        with self._cv:
+            for rid in request_ids:
+                req = self._requests.pop(rid, None) if isinstance(rid, str) else None
+                if req is None:
+                    continue
+                if not req.seq.finished:
+                    self._aborted.append(req.seq)
+                    stopped.append(rid)
+            self._num_aborted += len(stopped)
+            self._cv.notify_all()
+        return stopped
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (what OpenAI's log-probabilities name tokens by)."""
+        if self.tokenizer is None:
+            return ["" for _ in token_ids]
+        return [self.tokenizer.decode([int(t)]) for t in token_ids]
+
+    def _has_news(self, req: _Request) -> bool:
+        return req.committed != req.sent_tokens or req.closed or req.error is not None
+
+    def _wait_for_step(self, deadline: float) -> bool:
+        """Wait (holding ``_cv``) until the loop ends a step; False once past ``deadline``."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self._pollers += 1
+        try:
+            self._cv.wait(left)
+        finally:
+            self._pollers -= 1
+        return True
+
+    def _delta(self, request_id: str, req: _Request) -> RequestOutput:
+        """The part of ``req`` not sent yet; forgets it once it is finished."""
+        full = self._output(req)
+        text = full.text
+        if not full.finished:
+            text = text.rstrip("\ufffd")     # an incomplete UTF-8 character: sent whole later
+            # A tail that may yet become a stop string is held until it does or does not.
+            text = text[:len(text) - held_back(text, req.seq.params.stop)]
+        delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:], text[req.sent_text:],
+                              full.finish_reason, full.num_draft_tokens, full.num_accepted_tokens,
+                              full.logprobs[req.sent_tokens:] if full.logprobs is not None else None)
+        req.sent_tokens = len(full.token_ids)
+        req.sent_text = max(req.sent_text, len(text))
+        if full.finished:
+            del self._requests[request_id]
+        return delta
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        if req.error or (seq.finish_reason == "error"):
+            raise RuntimeError(req.error or self._last_error or "request failed")
+        end = req.committed
+        tokens = seq.output_tokens[:end]
+        reason = seq.finish_reason if req.closed else None
+        ended_by_token = reason == "stop" and req.stop_text_at is None
+        text_ids = tokens[:-1] if ended_by_token else tokens
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if req.stop_text_at is not None:
+            text = text[:req.stop_text_at]
+        return RequestOutput(seq.request_id, req.prompt, list(tokens), text, reason, *req.counts,
+                             list(seq.logprobs[:end]) if seq.logprobs is not None else None)
+
+    def metrics(self, workers: bool = True) -> dict:
+        """``workers``: also ask each model worker whether its steps replayed CUDA graphs
+        (``worker_graphs``, one entry per worker, targets first; None where an actor did not
+        answer), and their sums. The periodic export leaves that out: a dead actor would
+        hold the step loop for the call's timeout."""
+        m = self.scheduler.stats.as_dict()
+        dead_drafts, dead_targets = self.engine.dead()
+        m.update(num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+                 # accepted and not yet delivered (finished ones wait here for their caller)
+                 num_requests_held=len(self._requests), max_pending=self.config.max_pending,
+                 num_requests_aborted=self._num_aborted,
+                 target_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.target_pools],
+                 target_kv_blocks_total=[p.num_blocks for p in self.scheduler.target_pools],
+                 draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],
+                 draft_kv_blocks_total=[p.num_blocks for p in self.scheduler.draft_pools],
+                 num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
+                 draft_workers_down=sorted(self.scheduler.drafts_down),
+                 target_workers_down=sorted(self.scheduler.targets_down),
+                 draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
+                 # workers whose steps run over a compiled graph's channel right now
+                 num_compiled_workers=sum(c.compiled() for c in self.pool.verifiers + self.pool.proposers),
+                 # and over a link of their own (``worker_link``)
+                 num_linked_workers=sum(getattr(c, "linked", bool)() for c in self.pool.verifiers + self.pool.proposers),
+                 num_speculative_tokens=self.config.speculation.num_speculative_tokens,
+                 proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
+                 layout=self.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),
+                 last_error=self._last_error)
+        if self.pool.suffix is not None:
+            m.update(self.pool.suffix.stats())
+        if workers:
+            graphs = self.pool.graph_stats()
+            live = [g for g in graphs if g is not None]
+            m.update(worker_graphs=graphs, graph_replays=sum(g["graph_replays"] for g in live),
+                     eager_forwards=sum(g["eager_forwards"] for g in live),
+                     graph_capture_failures=sum(g["graph_capture_failure"] is not None for g in live))
+        return m
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        self.pool.release()
+
+    # -- the step loop -------------------------------------------------------------
+    def _loop(self) -> None:
+        exported = True
+        while True:
+            with self._cv:
+                while not self._stop and not self._incoming and not self.scheduler.has_work:
+                    if not exported:
+                        break
+                    if self.engine.degraded:
+                        # Idle with a worker lost: keep watching for it to come back.
+                        self._cv.wait(timeout=0.25)
+                        try:
+                            self.engine.poll_workers()
+                        except Exception as e:  # noqa: BLE001 - the loop must outlive it
+                            self._last_error = f"{type(e).__name__}: {e}"
+                    else:
+                        self._cv.wait()
+                if self._stop:
+                    return
+                incoming, self._incoming = self._incoming, []
+                aborted, self._aborted = self._aborted, []
+            for seq in incoming:
+                self.scheduler.add(seq)
+            if aborted:
+                for seq in aborted:
+                    self.scheduler.finish(seq, "abort")
+                self.engine.forget(aborted)
+            if not (incoming or self.scheduler.has_work):
+                # Idle after work: export the final figures once, then sleep.
+                self._export()
+                exported = True
+                continue
+            sched = self.scheduler
+            unfinished = len(sched.waiting) + len(sched.running)
+            try:
+                stepped = self.engine.step()
+                self._match_stops(stepped)
+            except Exception as e:  # a failed step fails its requests, not the runtime
+                self._last_error = f"{type(e).__name__}: {e}"
+                failed = self.scheduler.abort_all("error")
+                self.engine.forget(failed)
+                with self._cv:
+                    for seq in failed:
+                        req = self._requests.get(seq.request_id)
+                        if req is not None:
+                            req.error = self._last_error
+                            req.closed = True
+            # A finished sequence leaves both queues (preemption only moves one across).
+            if self._pollers or len(sched.waiting) + len(sched.running) < unfinished:
+                with self._cv:
+                    self._cv.notify_all()
+            exported = False
+            if self._exporter is not None and self._exporter.due():
+                self._export()
+                exported = True
+
+    def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
+        """End the sequences whose text now holds one of their stop strings; then show
+        clients the step."""
+        with self._cv:
+            for seq, appended in stepped:
+                if not appended or not seq.params.stop:
+                    continue
+                req = self._requests.get(seq.request_id)
+                if req is None:
+                    continue
+                out = seq.output_tokens
+                cut = stop_cut(self._decode, out, req.stop_checked, seq.params.stop)
+                req.stop_checked = len(out)
+                if cut is None:
+                    continue
+                keep, req.stop_text_at = cut
+                ended_now = not seq.finished          # else EOS or length ended it in this step
+                self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+                seq.truncate_output(keep)
+                if ended_now:
+                    self.engine.finished(seq)
+            for seq, _ in stepped:
+                req = self._requests.get(seq.request_id)
+                if req is not None:
+                    req.commit()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _export(self) -> None:
+        if self._exporter is None:
+            return
+        try:
+            self._exporter.update(self.metrics(workers=False))
+        except Exception as e:  # noqa: BLE001 - metrics must not stop the serving
+            # Raised here, it ended the step loop: every request then waited for ever.
+            self._last_error = f"metrics export: {type(e).__name__}: {e}"
+
+
+class Driver(DriverCore):
+    """The driver actor. Threaded, so stream polls and submits are answered while the
+    step loop waits on workers."""
+
+    def __init__(self, config: RuntimeConfig, backend: str, export_metrics: bool) -> None:
+        # Ray hands the client only the text of an error raised while an actor is created,
+        # so a refused configuration is kept and reported by info(), for the client to
+        # raise as the ValueError it is.
+        self.refused: str | None = None
+        # Ray reruns this constructor when it restarts the actor (``driver_restarts``).
+        self.restarts = RestartLog()
+        try:
+            super().__init__(config, backend, export_metrics)
+        except ValueError as e:
+            self.refused = str(e)
+        self.restarts.ready()
+
+    def info(self) -> DriverInfo | str:
+        """The driver's info, or why it refused its configuration."""
+        return self.refused if self.refused is not None else super().info()
+
+    def pid(self) -> int:
+        """This incarnation's process (tests kill it)."""
+        return os.getpid()
+
+    def metrics(self, workers: bool = True) -> dict:
+        return {**super().metrics(workers), **self.restarts.metrics()}
+
+    def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
+        super()._match_stops(stepped)
+        if stepped:
+            self.restarts.first_token()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.restarts.clear()
+
+
+RemoteDriver = ray.remote(max_concurrency=256)(Driver)

@@ -1,0 +1,301 @@
+"""One step of speculative decoding, independent of how workers are reached::
+
+    schedule -> propose (every draft worker at once) -> verify (every target worker at
+    once, each with the proposals merged into its plan) -> update (the verdicts)
+
+Workers are ``WorkerCall``s (``specray.runtime.transport.worker_call``): in-process workers run in
+``submit``; Ray workers return references, so all draft workers (then all target workers)
+compute in parallel, and draft probabilities stay ObjectRefs the engine hands on unread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from specray.runtime.engine.predraft_book import PredraftBook, Taken
+from specray.runtime.transport.worker_call import WorkerCall, WorkerLost
+from specray.scheduler.merge import merge_proposals
+from specray.scheduler.messages import Proposals, StepPlan
+from specray.scheduler.proposal_choice import DraftRecord, common_prefix, pick_shards
+from specray.scheduler.scheduler import Scheduler
+from specray.scheduler.sequence import Sequence
+from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict, verdicts
+
+# One draft worker's answer: its proposals and the handle of their probabilities.
+Shard = tuple[Proposals, Any]
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
+                 target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter,
+                 overlap: bool = False, suffix=None, suffix_beside_drafts: bool = False) -> None:
+        """``proposers[r].wait`` yields a ``Shard``; ``verifiers[r].wait`` a
+        ``StepResult``. When every target worker has been down for
+        ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
+        times the phases (a replay passes a simulated one). ``overlap``: draft workers that
+        are ``PredraftCall``s pre-draft the next window while the target verifies.
+        ``suffix``: the suffix decoding proposer, told of every finished request;
+        ``suffix_beside_drafts``: it also proposes for every drafting sequence, beside the
+        draft model, and each sequence's proposal expected to be accepted longer is
+        verified (``specray.scheduler.proposal_choice``)."""
+        self.scheduler = scheduler
+        self.suffix = suffix
+        self.suffix_beside_drafts = suffix_beside_drafts and suffix is not None
+        self.draft_record = DraftRecord()
+        self.clock = clock
+        self.book = PredraftBook() if overlap else None
+        self.verifiers = verifiers
+        self.proposers = proposers
+        self.target_down_timeout_s = target_down_timeout_s
+        self._all_down_since: float | None = None
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Run one step; returns (sequence, tokens appended) for each verified sequence."""
+        t0 = self.clock()
+        if self.degraded:
+            self._check_recovered()
+        step = self.scheduler.schedule()
+        if step is None:
+            if self.book is not None:
+                self.book.drop()
+            return []
+        outcome = StepOutcome(step)
+        outcome.times.schedule_s = self.clock() - t0
+        taken = self._take(step, outcome)
+        shards = self.propose(step, outcome, skip=set(taken))
+        shards += [(t.proposals, t.probs) for t in taken.values()]
+        ahead = self._predraft(step, taken, outcome)
+        outcome.verdicts = self.verify(step, shards, outcome)
+        self._collect(ahead, outcome)
+        outcome.times.step_s = self.clock() - t0
+        if self.suffix is not None and not self.suffix_beside_drafts:
+            for v in outcome.verdicts:
+                self.suffix.observe(v.seq_id, v.tokens)
+        out = self.scheduler.update(outcome)
+        if self.suffix is not None:
+            for seq, _ in out:
+                if seq.finished:
+                    self.suffix.finished(seq)
+        return out
+
+    def finished(self, seq: Sequence) -> None:
+        """A request the driver ended between steps (a stop string): learn from it as from
+        any finished one."""
+        if self.suffix is not None:
+            self.suffix.finished(seq)
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Requests that ended without a verdict (failed): nothing to learn from them."""
+        if self.suffix is not None:
+            self.suffix.forget([s.seq_id for s in seqs])
+
+    def propose(self, step: ScheduledStep, outcome: StepOutcome, skip: set[int] = frozenset()) -> list[Shard]:
+        """Every draft worker at once (but those in ``skip``)."""
+        shards: list[Shard] = []
+        if not any(p is not None for r, p in enumerate(step.draft_plans) if r not in skip):
+            return shards
+        t_draft = self.clock()
+        plans = step.draft_plans
+        beside = None
+        if self.suffix_beside_drafts:
+            longest = max((s.proposal_len for rank in step.draft_seqs for s in rank), default=0)
+            worth = self.draft_record.expected_upto(longest)      # the draft's, by proposal_len
+            beside = self._propose_beside(step, worth)
+            plans = [self._leave_to_suffix(p, beside, worth) for p in plans]
+        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(plans)
+                   if p is not None and r not in skip]
+        for r, h in pending:
+            try:
+                shards.append(self.proposers[r].wait(h))
+            except WorkerLost:
+                # Its sequences verify without proposals this step (plain decoding).
+                outcome.lost_drafts.add(r)
+        if beside is not None:
+            shards.append((beside, None))
+        if any(p.seq_ids for p, _ in shards):
+            outcome.times.draft_s = self.clock() - t_draft
+            # Workers compute in parallel: the slowest one's own time is the phase's compute,
+            # the rest of the phase's wall time is messaging.
+            outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
+        return shards
+
+    def _propose_beside(self, step: ScheduledStep, worth: list[float]) -> Proposals | None:
+        """Suffix decoding's proposals for the drafting sequences whose proposal could
+        beat the draft's (``worth[n]``: what n draft proposals are expected to keep): at
+        most ``proposal_len`` tokens at its calibration. Where none could, its evidence
+        fades instead, so the choice probes again later."""
+        ceiling = self.suffix.ceiling()
+        seqs = [s for rank in step.draft_seqs for s in rank if ceiling * s.proposal_len > worth[s.proposal_len]]
+        if not seqs:
+            if any(step.draft_seqs):
+                self.suffix.fade()
+            return None
+        return self.suffix.propose(step.step_id, seqs)
+
+    def _leave_to_suffix(self, plan: StepPlan | None, beside: Proposals | None,
+                         worth: list[float]) -> StepPlan | None:
+        """The draft plan with no proposals asked of the sequences whose suffix proposal
+        scores more than the draft's full proposal could: they would verify the suffix's
+        anyway. The draft still runs their catch-up pass (its cache stays current); the
+        other passes, most of its cost, skip them."""
+        if plan is None or beside is None or not plan.seq_ids:
+            return plan
+        score = dict(zip(beside.seq_ids, beside.scores))
+        lens = [0 if score.get(sid, 0.0) > worth[n] else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
+        return plan if lens == plan.proposal_lens else replace(plan, proposal_lens=lens)
+
+    def _submit_draft(self, r: int, plan, step: ScheduledStep):
+        call = self.proposers[r]
+        return call.submit(plan, step.draft_seqs[r]) if getattr(call, "takes_sequences", False) else call.submit(plan)
+
+    def verify(self, step: ScheduledStep, shards: list[Shard], outcome: StepOutcome) -> list[Verdict]:
+        """Every target worker at once, each plan with the shards' proposals merged in
+        (one per sequence: where two proposers proposed, the one ``pick_shards`` chose)."""
+        t1 = self.clock()
+        merge_s = 0.0
+        pending = []
+        chosen: dict[int, Proposals] = {}          # seq id -> the shard verified, where there was a choice
+        # Remote workers first: an in-process one computes in its submit, while they do.
+        order = sorted(range(len(step.target_plans)), key=lambda r: getattr(self.verifiers[r], "inline", False))
+        for r in order:
+            plan = step.target_plans[r]
+            if plan is None:
+                continue
+            probs = []
+            if shards and plan.seq_ids:
+                t_merge = self.clock()
+                mine = set(plan.seq_ids)
+                used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
+                picks = None
+                if self.suffix_beside_drafts:
+                    picks = pick_shards(plan.seq_ids, [p for p, _ in used], self.draft_record)
+                    chosen.update((sid, used[s][0]) for sid, s in picks.items())
+                plan = merge_proposals(plan, [p for p, _ in used], picks)
+                probs = [h for p, h in used if p.has_probs]
+                merge_s += self.clock() - t_merge
+            pending.append((r, plan, self.verifiers[r].submit(plan, probs)))
+        out: list[Verdict] = []
+        compute_s = 0.0
+        for r, plan, h in sorted(pending, key=lambda p: p[0]):     # verdicts in rank order, as ever
+            try:
+                result = self.verifiers[r].wait(h)
+            except WorkerLost:
+                # Its sequences are requeued with every token they had; nothing is lost.
+                outcome.lost_targets.add(r)
+                continue
+            out += verdicts(plan, result)
+            compute_s = max(compute_s, result.compute_s)
+        outcome.times.merge_s = merge_s
+        outcome.times.verify_s = self.clock() - t1 - merge_s
+        outcome.times.verify_compute_s = compute_s
+        if self.suffix_beside_drafts:
+            self._account_choices(shards, chosen, out, outcome)
+        return out
+
+    def _account_choices(self, shards: list[Shard], chosen: dict[int, Proposals], verdicts_: list[Verdict],
+                         outcome: StepOutcome) -> None:
+        """The draft's record over its proposals that were verified; suffix decoding's over
+        all its proposals, verified or not (``SuffixProposer.observe``); and, where suffix
+        decoding's was verified instead of the draft's, how many of the draft's cached
+        proposals still hold (``StepOutcome.draft_kept``)."""
+        drafts = {sid: (p, r) for p, _ in shards if not p.scores for r, sid in enumerate(p.seq_ids)}
+        for v in verdicts_:
+            self.suffix.observe(v.seq_id, v.tokens)
+            own = drafts.get(v.seq_id)
+            if own is None:
+                continue
+            shard, row = own
+            if chosen.get(v.seq_id) is shard:
+                self.draft_record.observe(v.proposed, v.accepted)
+                continue
+            n = shard.proposal_lens[row]
+            cached = shard.token_ids[row * shard.width:row * shard.width + max(n - 1, 0)]
+            # The draft is always fed at least the last emitted token (it needs its logits),
+            # even where its cache happens to hold it already.
+            outcome.draft_kept[v.seq_id] = min(common_prefix(cached, v.tokens), len(v.tokens) - 1)
+
+    # -- lost workers ------------------------------------------------------------------
+    @property
+    def degraded(self) -> bool:
+        return bool(self.scheduler.drafts_down or self.scheduler.targets_down)
+
+    def dead(self) -> tuple[list[int], list[int]]:
+        """Ranks of the draft and target workers that will not come back."""
+        return ([r for r, p in enumerate(self.proposers) if p.gone()],
+                [r for r, v in enumerate(self.verifiers) if v.gone()])
+
+    def poll_workers(self) -> None:
+        """Take back every lost worker that answers again. Cheap and non-blocking, so the
+        driver also calls it while idle: recovery shows in ``metrics()`` without traffic."""
+        sched = self.scheduler
+        for r in list(sched.drafts_down):
+            if self.proposers[r].alive():
+                sched.draft_back(r)
+        for r in list(sched.targets_down):
+            if self.verifiers[r].alive():
+                sched.target_back(r)
+
+    def _check_recovered(self) -> None:
+        sched = self.scheduler
+        self.poll_workers()
+        if len(sched.targets_down) < len(self.verifiers):
+            self._all_down_since = None
+            return
+        if all(v.gone() for v in self.verifiers):
+            raise RuntimeError("every target worker is dead: Ray restarted each max_worker_restarts times "
+                               "and none will come back")
+        now = time.monotonic()
+        self._all_down_since = self._all_down_since or now
+        if now - self._all_down_since > self.target_down_timeout_s:
+            raise RuntimeError(f"every target worker has been gone for over {self.target_down_timeout_s:.0f}s")
+        time.sleep(0.05)   # nothing can run until one is back
+
+    # -- overlap: pre-drafts taken, made and collected -----------------------------------
+    def _take(self, step: ScheduledStep, outcome: StepOutcome) -> dict[int, Taken]:
+        """Draft plans whose every sequence a pre-draft already holds proposals for."""
+        taken: dict[int, Taken] = {}
+        if self.book is None:
+            return taken
+        for r, plan in enumerate(step.draft_plans):
+            if plan is None:
+                continue
+            got, dropped = self.book.take(r, plan)
+            outcome.overlap.dropped += dropped
+            if got is not None:
+                taken[r] = got
+                outcome.overlap.used += plan.num_seqs
+        self.book.drop()       # a pre-draft serves the step right after it, or none
+        return taken
+
+    def _predraft(self, step: ScheduledStep, taken: dict[int, Taken], outcome: StepOutcome) -> list[tuple[int, Any]]:
+        """Start each draft worker's pre-draft of this step's outcomes: with the branches
+        it adopted, or after the window it just proposed. They run while the target
+        verifies."""
+        ahead: list[tuple[int, Any]] = []
+        if self.book is None:
+            return ahead
+        for r, plan in enumerate(step.draft_plans):
+            if plan is None or not hasattr(self.proposers[r], "submit_predraft") or r in outcome.lost_drafts:
+                continue
+            call = self.proposers[r]
+            if r in taken:
+                ahead.append((r, call.submit_adopt(plan, taken[r].chosen)))
+            elif self.book.wanted(plan):
+                ahead.append((r, call.submit_predraft(plan.step_id)))
+        return ahead
+
+    def _collect(self, ahead: list[tuple[int, Any]], outcome: StepOutcome) -> None:
+        for r, h in ahead:
+            try:
+                pre, probs = self.proposers[r].wait_predraft(h)
+            except WorkerLost:
+                # A lost pre-draft: the next step drafts as without one. A lost adoption
+                # also lost what the worker cached: its sequences catch up from scratch.
+                outcome.lost_drafts.add(r)
+                continue
+            if pre.num_branches:
+                self.book.pending[r] = (pre, probs)
+                outcome.overlap.predrafted += len(set(pre.seq_ids))
+            outcome.overlap.hidden_s = max(outcome.overlap.hidden_s, min(pre.compute_s, outcome.times.verify_s))

@@ -1,0 +1,96 @@
+"""The draft worker as a Ray actor (``DraftActor``), and the driver's handle on it
+(``DraftHandle``): msgpack in, msgpack out.
+
+Draft probabilities are a second return value, so the driver receives an ObjectRef it
+hands to the target worker without fetching the tensor. With overlap the handle also
+asks for pre-drafts (``PredraftCall``): an actor runs its calls one after another, in the
+order submitted, so a pre-draft runs right after the window it drafts past. With a link
+(``specray.runtime.transport.worker_link``) every call goes on the actor's own socket instead, in
+the same order, and probabilities come back as tensors.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from specray.runtime.transport.actor_handle import ActorHandle, WorkerActor
+from specray.scheduler.config import CacheConfig
+from specray.scheduler.messages import Predraft, Proposals, StepPlan, decode, encode
+from specray.workers.config import ModelConfig
+
+
+class DraftActor(WorkerActor):
+    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+        # Imported in the actor, not here: the driver process names this class to start
+        # the actor, and importing the workers (torch, transformers: seconds) there would
+        # only delay the moment it starts loading.
+        from specray.workers.draft_worker import DraftWorker
+
+        super().__init__()
+        self.worker = DraftWorker(model, cache)
+
+    @ray.method(num_returns=2)
+    def propose_msg(self, data: bytes):
+        return self.propose_step(data)
+
+    def propose_step(self, data: bytes) -> tuple[bytes, object]:
+        """One return value, for a compiled graph's channel."""
+        return self._locked_call("propose", data, None)
+
+    @ray.method(num_returns=2)
+    def predraft_msg(self, step_id: int):
+        return self._locked_call("predraft", None, step_id)
+
+    @ray.method(num_returns=2)
+    def adopt_msg(self, data: bytes, chosen: list[int]):
+        return self._locked_call("adopt", data, chosen)
+
+    def _call(self, op: str, data: bytes | None, arg, tensors=()):
+        if op == "propose":
+            return self.worker.propose(decode(data, StepPlan, validate=False))
+        if op == "predraft":
+            return self.worker.predraft(arg)
+        if op == "adopt":
+            return self.worker.adopt(decode(data, StepPlan, validate=False), arg)
+        raise ValueError(f"a draft worker has no call {op!r}")
+
+
+RemoteDraftActor = ray.remote(DraftActor)
+
+
+class DraftHandle(ActorHandle):
+    step_method = "propose_step"
+
+    def submit(self, plan):
+        data = encode(plan)
+        call = self._send("propose", data)
+        if call is not None:
+            return self._stamp(call)
+        ref = self._execute(data) if self._on_channel else None
+        if ref is not None:
+            return self._stamp(ref)
+        ref, probs = self.actor.propose_msg.remote(data)
+        return self._stamp(ref), probs
+
+    def wait(self, handle):
+        return self._answer(handle, Proposals)
+
+    def submit_predraft(self, step_id: int):
+        call = self._send("predraft", None, step_id)
+        return call if call is not None else self.actor.predraft_msg.remote(step_id)
+
+    def submit_adopt(self, plan: StepPlan, chosen: list[int]):
+        data = encode(plan)
+        call = self._send("adopt", data, list(chosen))
+        return call if call is not None else self.actor.adopt_msg.remote(data, list(chosen))
+
+    def wait_predraft(self, handle):
+        return self._answer(handle, Predraft)
+
+    def _answer(self, handle, cls):
+        """A call's message as ``cls``, and its probabilities (a tensor, or the ref to hand on)."""
+        if not isinstance(handle, tuple):     # a channel's or a link's one value (or its error)
+            data, probs = self._get(handle)
+            return decode(data, cls), probs
+        ref, probs_ref = handle
+        return decode(self._get(ref), cls), probs_ref

@@ -1,0 +1,276 @@
+"""Start the draft and target workers and hand them to the engine as WorkerCalls.
+
+On Ray each worker is an actor asking for exactly its configured resources (plus one GPU
+on CUDA, ``num_cpus=0`` unless configured), and holds at most its own share of that GPU's
+memory (``CacheConfig.gpu_memory_utilization``, default 0.9 times the part of a GPU it asks
+for): workers that load at the same time on one GPU each size their KV cache from their
+own share, not from the free memory the other has not taken yet. Workers in this process
+(co-located) are loaded first and sized together from the process's share, the same
+number of blocks each. Workers go into one placement group, one
+bundle each, with the configured strategy (SPREAD by default: workers of one kind land on
+distinct nodes when the cluster has them; PACK co-locates; STRICT_SPREAD insists).
+Bundles must ask for something, so with no resources configured the actors are spread
+by Ray's SPREAD scheduling instead. In the actor layout (backend "hosted") the first target
+worker is not an actor: it loads in this process, the driver's actor, which asked Ray for
+the target's resources itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specray.runtime.config import RuntimeConfig
+from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
+from specray.workers.config import ModelConfig
+from specray.runtime.transport.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
+from specray.scheduler.proposers.ngram import NgramProposer
+from specray.scheduler.proposers.suffix import SuffixProposer
+
+
+@dataclass
+class WorkerPool:
+    verifiers: list[WorkerCall]
+    proposers: list[WorkerCall]
+    target_blocks: list[int]
+    draft_blocks: list[int] | None          # None: proposers without KV (n-gram, suffix) or none
+    actors: list = field(default_factory=list)
+    placement_group: Any = None
+    suffix: SuffixProposer | None = None     # suffix decoding, in this process (alone or beside the drafts)
+    local_workers: list = field(default_factory=list)   # model workers in this process (co-located)
+
+    def graph_stats(self, timeout_s: float = 5.0) -> list[dict | None]:
+        """Each model worker's ``graph_stats()`` (targets, then drafts); None for an actor
+        that did not answer within ``timeout_s`` (dead, restarting, or busy past it)."""
+        out: list[dict | None] = [w.graph_stats() for w in self.local_workers]
+        if self.actors:
+            import ray
+
+            refs = [a.graph_stats.remote() for a in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            done = set(ready)
+            for ref in refs:
+                try:
+                    out.append(ray.get(ref) if ref in done else None)
+                except Exception:  # noqa: BLE001 - a dead worker has no figures, the metrics still answer
+                    out.append(None)
+        return out
+
+    def release(self) -> None:
+        for call in self.verifiers + self.proposers:
+            call.close()
+        if not self.actors and self.placement_group is None:
+            return
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors.clear()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+class StartCancelled(Exception):
+    """The start was called off (its driver refused the configuration) before it ended."""
+
+
+def start_workers(cfg: RuntimeConfig, backend: str,
+                  cancel: threading.Event | None = None) -> WorkerPool:
+    """``backend``: "ray" (every worker an actor), "hosted" (the first target worker in
+    this process, the rest actors: the actor layout) or "local" (all in this process).
+    ``cancel``: once set, a start still waiting for placement or for its workers to
+    load stops, releases what it took and raises StartCancelled. Loading a large model
+    takes minutes; a driver that has already refused the configuration (a draft with
+    another vocabulary) should not make its user wait for it."""
+    cancel = cancel or threading.Event()
+    if backend == "local":
+        return _start_local(cfg, cancel)
+    if backend not in ("ray", "hosted"):
+        raise ValueError(f"backend must be 'ray', 'hosted' or 'local', got {backend!r}")
+    return _start_ray(cfg, cancel, hosted=backend == "hosted")
+
+
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise StartCancelled("the worker start was called off")
+
+
+def _wait_all(refs: list, cancel: threading.Event, timeout: float | None = None) -> bool:
+    """Wait for every ref, looking at ``cancel`` now and then; False on timeout."""
+    import ray
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        _check(cancel)
+        left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+    return True
+
+
+def _host_proposers(cfg: RuntimeConfig, pool: WorkerPool) -> list[WorkerCall]:
+    """Prompt lookup and suffix decoding are cheap host work: they run in the driver and
+    cost no actor hop. Suffix decoding beside the draft model proposes from the engine."""
+    spec = cfg.speculation
+    if spec.suffix:
+        pool.suffix = SuffixProposer(spec)
+    if spec.proposer == "ngram":
+        return [LocalCall(NgramProposer(spec).propose)]
+    if spec.proposer == "suffix":
+        return [SequenceCall(pool.suffix)]
+    return []
+
+
+def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
+    from specray.workers.draft_worker import DraftWorker
+    from specray.workers.target_worker import TargetWorker
+
+    from specray.workers.memory_budget import plan_blocks
+
+    # In this process a model's load cannot be stopped halfway: look between workers.
+    cluster = cfg.cluster
+    targets, drafts = [], []
+    for _ in range(cluster.num_target_workers):
+        _check(cancel)
+        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
+    if cfg.speculation.draft_model:
+        for _ in range(cluster.num_draft_workers):
+            _check(cancel)
+            drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
+    workers = targets + drafts
+    # Every model is in before any cache is sized: they share this process's part of the GPU.
+    share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
+    blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
+        plan_blocks([w.runner.need for w in workers], share)
+    for w, b in zip(workers, blocks):
+        _check(cancel)
+        w.runner.allocate(b)
+    verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
+    proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
+    d_blocks = [d.num_blocks() for d in drafts] if drafts else None
+    pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks, local_workers=workers)
+    pool.proposers += _host_proposers(cfg, pool)
+    return pool
+
+
+def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
+    """The model section a ``kind`` ("target" or "draft") worker is built with: the
+    uniform steps it will be sent, for its CUDA graphs, unless configured."""
+    if cfg.model.cuda_graph_query_lens:
+        return cfg.model
+    k = cfg.speculation.num_speculative_tokens
+    lens = (1, 2) if kind == "draft" else tuple(sorted({1, k + 1}))
+    return replace(cfg.model, cuda_graph_query_lens=lens)
+
+
+def _gpu_part(resources: dict) -> float:
+    """The part of one GPU a worker asking Ray for ``resources`` holds (one GPU unless named)."""
+    return min(1.0, float(resources.get("GPU", 1)) or 1.0)
+
+
+def worker_cache(cache: CacheConfig, gpu_part: float) -> CacheConfig:
+    """The cache section one GPU worker actor is built with: its own memory share."""
+    if cache.gpu_memory_utilization is not None or gpu_part <= 0:
+        return cache
+    return replace(cache, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION * min(1.0, gpu_part))
+
+
+def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False) -> WorkerPool:
+    """``hosted``: the first target worker loads in this process (while the actors load
+    in theirs) and is called in place; the engine verifies its shard after sending the
+    other target workers theirs."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from specray.runtime.transport.actor_handle import actor_options
+    from specray.runtime.transport.draft_actor import DraftHandle, RemoteDraftActor
+    from specray.runtime.transport.target_actor import RemoteTargetActor, TargetHandle, probs_values
+
+    cluster, device = cfg.cluster, cfg.model.device
+    gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
+             for _ in range(cluster.num_target_workers - hosted)]
+    if cfg.speculation.draft_model:
+        kinds += [("draft", RemoteDraftActor, actor_options(cluster.draft_resources, gpu))
+                  for _ in range(cluster.num_draft_workers)]
+    bundles = [_bundle(opts) for _, _, opts in kinds]
+    pg = None
+    if bundles and all(bundles):
+        from specray.runtime.driver.restarts import worker_group_name
+
+        pg = placement_group(bundles, strategy=cluster.placement_strategy, name=worker_group_name())
+        try:
+            placed = _wait_all([pg.ready()], cancel, cluster.placement_timeout_s)
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        if not placed:
+            remove_placement_group(pg)
+            raise RuntimeError(f"the cluster cannot place {len(bundles)} workers {bundles} with strategy "
+                               f"{cluster.placement_strategy} within {cluster.placement_timeout_s:.0f}s")
+    actors = []
+    try:
+        _check(cancel)
+        for i, (kind, cls, opts) in enumerate(kinds):
+            if pg is not None:
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            else:
+                strategy = "SPREAD"
+            actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cluster.max_worker_restarts,
+                                      max_task_retries=0).remote(worker_model(cfg, kind),
+                                                                 worker_cache(cfg.cache, opts["num_gpus"])))
+        targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
+        drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
+        t_refs = [a.num_blocks.remote() for a in targets]
+        d_refs = [a.num_blocks.remote() for a in drafts]
+        local = _host_target(cfg, gpu, cancel) if hosted else None
+        _wait_all(t_refs + d_refs, cancel)      # the models load: what a refusal stops
+        t_blocks = ([local.num_blocks()] if local is not None else []) + ray.get(t_refs)
+        d_blocks = ray.get(d_refs) if drafts else None
+    except BaseException:
+        for a in actors:
+            ray.kill(a)
+        if pg is not None:
+            remove_placement_group(pg)
+        raise
+    restarts = cluster.max_worker_restarts
+    verifiers = [TargetHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in targets]
+    if local is not None:
+        verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs))))
+    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in drafts]
+    pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
+                      local_workers=[local] if local is not None else [])
+    pool.proposers += _host_proposers(cfg, pool)
+    if cluster.compiled_graph or cluster.worker_link:
+        # Channels are built and links opened now, not in a request's first step.
+        try:
+            for call in verifiers + remote_proposers:
+                if not getattr(call, "inline", False):
+                    call.warm_up()
+        except BaseException:
+            pool.release()
+            raise
+    return pool
+
+
+def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
+    """The target worker of this process (the driver's actor, which asked for the
+    target's resources), sized from its own share of the GPU as an actor would be."""
+    from specray.workers.target_worker import TargetWorker
+
+    _check(cancel)
+    part = _gpu_part(cfg.cluster.target_resources) if gpu else 0
+    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part))
+
+
+def _bundle(opts: dict) -> dict:
+    b = {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0), **opts.get("resources", {})}
+    return {k: v for k, v in b.items() if v}
