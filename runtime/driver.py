@@ -26,6 +26,7 @@ from specray.runtime.driver_restarts import RestartLog
 from specray.runtime.engine import Engine, StepFailed
 from specray.runtime.step_groups import GroupEngine, wants_groups
 from specray.runtime.policies import build_policy
+from specray.runtime.prompt_bound import max_prompt_chars
 from specray.runtime.request_output import RequestOutput
 from specray.runtime.resume import Progress, Resume, WaitReply
 from specray.runtime.stop_strings import held_back, stop_cut
@@ -101,17 +102,6 @@ class _Request:
         seq = self.seq
         self.committed, self.closed = seq.output_len, seq.finished
         self.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
-
-
-def _longest_token(tokenizer) -> int:
-    """The most characters one token of ``tokenizer`` stands for: its longest vocabulary
-    entry. Byte-level BPE spells each byte of a token as one character, SentencePiece each
-    character as one (a byte-fallback token's "<0x0A>" is longer than its text), and
-    neither drops characters from a text: so no text of more than ``n * longest``
-    characters is ``n`` tokens or fewer."""
-    if tokenizer is None:
-        return 1            # no text prompts at all
-    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 @dataclass
@@ -229,8 +219,9 @@ class DriverCore:
             raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {self.max_model_len}")
         self.tokenizer = tokenizer_or_none(model.target)  # None: token-id prompts only
         # A text prompt longer than this cannot fit the window, whatever it is: refused
-        # before tokenizing it (which costs as much as the text is long).
-        self.max_prompt_chars = self.max_model_len * _longest_token(self.tokenizer)
+        # before tokenizing it (which costs as much as the text is long); None: no bound
+        # is known for this tokenizer.
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         draft_len = None
         if model.draft is not None:
             dcfg = model_loader.load_config(model.draft)
@@ -352,7 +343,7 @@ class DriverCore:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
-            if len(prompt) > self.max_prompt_chars:
+            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
                 raise ValueError(f"prompt has {len(prompt)} characters, more than max_model_len {self.max_model_len} "
                                  f"tokens can spell ({self.max_prompt_chars}): it leaves no room to generate")
             ids = self._tokenize(prompt)

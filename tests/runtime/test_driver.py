@@ -190,3 +190,39 @@ def test_a_fault_of_every_step_fails_every_request_then_serving_resumes(llama_pa
     finally:
         drv.shutdown()
     assert out.token_ids == hf_greedy(t, [[5, 6, 7]], 8)[0]
+
+
+def test_limits_are_checked_before_a_prompt_is_tokenized():
+    """A text longer than the window can spell is refused untokenized; so is any submit
+    once max_pending requests are held. top_k past the vocabulary is off."""
+    import threading
+
+    from specray.runtime.model_store import builtin_model
+
+    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2),
+                     backend="local", export_metrics=False)
+    gate = threading.Event()
+    verify = drv.engine.verifiers[0].submit
+    drv.engine.verifiers[0].submit = lambda plan, *a: (gate.wait(60), verify(plan, *a))[1]   # no step ends
+    tokenized, tokenize = [], drv._tokenize
+    drv._tokenize = lambda text: tokenized.append(len(text)) or tokenize(text)
+    try:
+        bound = drv.max_prompt_chars
+        assert bound is not None
+        reply = drv.submit(["a" * (bound + 1)], [SamplingParams(max_tokens=4)])
+        assert reply.error.startswith("request 0: prompt has") and "max_model_len 64" in reply.error
+        assert tokenized == []
+        reply = drv.submit(["a" * bound], [SamplingParams(max_tokens=4)])      # measured, then refused
+        assert tokenized == [bound] and "leaves no room" in reply.error
+        held = drv.submit(["def f(", "import os"], [SamplingParams(max_tokens=8)] * 2)
+        assert held.error is None
+        tokenized.clear()
+        reply = drv.submit(["x" * 50], [SamplingParams()])
+        assert reply.overloaded and tokenized == []
+        vocab = drv.vocab_size
+        assert drv._prepare([1, 2], SamplingParams(top_k=vocab))[1].top_k == 0
+        assert drv._prepare([1, 2], SamplingParams(top_k=vocab - 1))[1].top_k == vocab - 1
+    finally:
+        gate.set()
+        drv.shutdown()
