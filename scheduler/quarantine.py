@@ -2,8 +2,8 @@
 
 A step that raises keeps nothing (no verdicts); its sequences go back to the queue with
 every token they had, and they become suspects. Until none is left, each step runs only
-suspects, the first group of them (a "probe"); the other running sequences wait, their
-KV kept. A probe that passes clears its sequences (and they advance: each was verified).
+suspects, the first group of them with no step in flight (a "probe"); the other running
+sequences wait, their KV kept. A probe that passes clears its sequences (and they advance: each was verified).
 A probe that fails splits in two, and so on down to one sequence, whose step failing alone
 makes it the culprit: that request alone fails. So one bad request among ``n`` costs about
 ``2 log2(n)`` failed or probing steps, and its neighbours' outputs do not change (a retried
@@ -31,15 +31,15 @@ class Quarantine:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
-    def probe(self, alive: set[int]) -> frozenset[int] | None:
-        """The sequences the next step may run: the first group's that are still
-        unfinished (``alive``), or None when there are no suspects."""
-        while self.groups:
-            group = [s for s in self.groups[0] if s in alive]
-            if group:
-                self.groups[0] = group
-                return frozenset(group)
-            self.groups.pop(0)
+    def probe(self, alive: set[int], busy: frozenset[int] = frozenset()) -> frozenset[int] | None:
+        """The sequences the next step may run: those of the first group still unfinished
+        (``alive``) that have no step in flight (``busy``: the other group of two in
+        flight may be probing one already); None when there is none to probe."""
+        self.groups = [g for g in ([s for s in group if s in alive] for group in self.groups) if g]
+        for group in self.groups:
+            free = frozenset(s for s in group if s not in busy)
+            if free:
+                return free
         return None
 
     def passed(self, seq_ids: Iterable[int]) -> None:
@@ -50,8 +50,8 @@ class Quarantine:
         """A step of these sequences (in step order) failed. Returns the culprit when the
         step ran one sequence; otherwise its two halves are the next probes."""
         self._discard(set(seq_ids))
-        if len(seq_ids) == 1:
-            return seq_ids[0]
+        if len(seq_ids) <= 1:
+            return seq_ids[0] if seq_ids else None
         half = (len(seq_ids) + 1) // 2
         self.groups[:0] = [list(seq_ids[:half]), list(seq_ids[half:])]
         return None

@@ -197,17 +197,17 @@ class Scheduler:
         there are suspects of a failed step, the step runs only the next group of them
         (the others running wait, keeping their KV); a group that cannot run now is let
         go (its sequences run as any others)."""
-        only = self._probe()
+        only = self._probe(in_flight)
         step = self._schedule(in_flight, max_seqs, only)
         if step is None and only is not None and len(self.targets_down) < len(self.target_pools):
             self.quarantine.passed(only)
-            return self._schedule(in_flight, max_seqs, self._probe())
+            return self._schedule(in_flight, max_seqs, self._probe(in_flight))
         return step
 
-    def _probe(self) -> frozenset[int] | None:
+    def _probe(self, in_flight: frozenset[int]) -> frozenset[int] | None:
         if not self.quarantine:
             return None
-        return self.quarantine.probe({s.seq_id for s in self.running} | {s.seq_id for s in self.waiting})
+        return self.quarantine.probe({s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}, in_flight)
 
     def _schedule(self, in_flight: frozenset[int], max_seqs: int | None, only: frozenset[int] | None
                   ) -> ScheduledStep | None:

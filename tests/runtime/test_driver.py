@@ -160,6 +160,7 @@ def test_a_step_failing_for_one_request_fails_it_alone(llama_pair, worker, overl
         got, errors = stream(drv, ids)
         m = drv.metrics()
         drv.scheduler.check_integrity()
+        assert len(drv.engine.calls) == 0           # no call of a failed step left unanswered
     finally:
         drv.shutdown()
     assert [got[ids[0]], got[ids[2]]] == want

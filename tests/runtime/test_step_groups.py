@@ -147,6 +147,7 @@ def test_a_group_failing_for_one_request_fails_it_alone(llama_pair, worker):
             drv.wait([ids[bad]], timeout=60)
         m = drv.metrics(workers=False)
         drv.scheduler.check_integrity()
+        assert len(engine.calls) == 0 and engine.flight is None
     finally:
         drv.shutdown()
     assert [o.token_ids for o in outs] == want

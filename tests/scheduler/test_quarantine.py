@@ -166,6 +166,8 @@ def test_quarantine_probes_the_first_live_group_and_clears_what_passes():
     q.passed([2, 3])
     assert q.probe({4, 5}) == {4, 5}
     assert q.failed([4, 5]) is None and q.groups == [[4], [5]]
+    assert q.probe({4, 5}, busy=frozenset({4})) == {5}      # [4] is probed by the other group in flight
+    assert q.probe({4, 5}, busy=frozenset({4, 5})) is None
     assert q.failed([4]) == 4 and q.groups == [[5]]
     q.passed([5])
     assert not q
