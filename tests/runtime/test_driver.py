@@ -227,3 +227,41 @@ def test_limits_are_checked_before_a_prompt_is_tokenized():
     finally:
         gate.set()
         drv.shutdown()
+
+
+def test_stop_strings_are_matched_without_holding_the_drivers_lock():
+    """While the step loop decodes an output to search its stop strings, submits, polls
+    and metrics are answered (they take the lock the search no longer holds)."""
+    import threading
+    import time
+
+    from specray.runtime.model_store import builtin_model
+
+    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=128), backend="local",
+                     export_metrics=False)
+    searching, release = threading.Event(), threading.Event()
+    decode = drv._decode
+
+    def slow_decode(ids):
+        searching.set()
+        release.wait(60)
+        return decode(ids)
+
+    drv._decode = slow_decode
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, stop=["never in this output"])
+        (rid,) = drv.submit(["def f("], [params]).request_ids
+        assert searching.wait(60)
+        t0 = time.monotonic()
+        other = drv.submit([[1, 2, 3]], [SamplingParams(max_tokens=2)])
+        drv.poll_many([rid], timeout=0.1)
+        drv.metrics(workers=False)
+        assert time.monotonic() - t0 < 5 and other.error is None
+        assert not release.is_set()                 # all of it answered while the search waited
+        release.set()
+        (out,) = drv.wait([rid], timeout=120)
+    finally:
+        release.set()
+        drv.shutdown()
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
