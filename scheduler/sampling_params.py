@@ -54,8 +54,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
-        if not 1 <= self.max_tokens <= INT32_MAX:
-            raise ValueError(f"max_tokens must be in [1, {INT32_MAX}], got {_shown(self.max_tokens)}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {_shown(self.max_tokens)}")
+        if self.max_tokens > INT32_MAX:
+            raise ValueError(f"max_tokens must be at most {INT32_MAX}, got {_shown(self.max_tokens)}")
         self.temperature = _finite("temperature", self.temperature)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")

@@ -245,9 +245,9 @@ class Scheduler:
             d_load[s.draft_rank] += s.num_tokens
         # No admissions in a step that had to preempt (that would thrash), unless nothing
         # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
-        queue = self.waiting if only is None else deque(s for s in self.waiting if s.seq_id in only)
-        while queue and not (preempted and batch) and len(batch) < cap:
-            seq = queue[0]
+        admit = self.waiting if only is None else deque(s for s in self.waiting if s.seq_id in only)
+        while admit and not (preempted and batch) and len(batch) < cap:
+            seq = admit[0]
             if seq.seq_id in in_flight:
                 break      # preempted (a lost worker) while its step is in flight: it waits for that step
             cost = seq.num_tokens - seq.target_computed
@@ -259,8 +259,8 @@ class Scheduler:
             k = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
             if k is None:
                 break
-            queue.popleft()
-            if queue is not self.waiting:
+            admit.popleft()
+            if admit is not self.waiting:
                 self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
