@@ -22,6 +22,9 @@ cannot hold a sequence's slots the newest running sequence of that pool is preem
 ``computed = 0``). A draft pool that is short only turns speculation off for that
 sequence this step. Waiting requests join with what is left. Nothing is ever dropped: a
 preempted sequence goes back to the front of the queue with every token it emitted.
+
+A step that fails is requeued the same way (``step_failed``), and its sequences are tried
+in smaller groups until the one that fails alone is found (``Quarantine``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections import deque
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepPlan
+from specray.scheduler.quarantine import Quarantine
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
 from specray.scheduler.stats import SpecStats
@@ -69,6 +73,7 @@ class Scheduler:
         self._draft_frees: list[list[int]] = [[] for _ in range(self.num_draft_ranks)]
         self.drafts_down: set[int] = set()   # draft workers lost and not back yet
         self.targets_down: set[int] = set()  # target workers lost and not back yet
+        self.quarantine = Quarantine()       # sequences of failed steps, run apart until cleared
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,13 +132,14 @@ class Scheduler:
             self._draft_slots[seq.seq_id] = slots
         return k
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """``counted``: a preemption in the stats (not a failed step's requeue)."""
         self.running.remove(seq)
         self._release(seq)
         seq.reset_computed()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        self.stats.num_preemptions += counted
         # Preempted sequences wait at the front, oldest first, so each keeps its priority.
         i = 0
         while i < len(self.waiting) and self.waiting[i].num_preemptions and self.waiting[i].seq_id < seq.seq_id:
@@ -187,11 +193,28 @@ class Scheduler:
         """The next step. ``in_flight``: sequences whose step is still being computed (a
         group in flight): they keep their reservations and are neither planned, preempted
         nor counted out of ``max_num_seqs``. ``max_seqs``: at most this many sequences in
-        the step (a group's share; the running ones left out join a later step)."""
+        the step (a group's share; the running ones left out join a later step). While
+        there are suspects of a failed step, the step runs only the next group of them
+        (the others running wait, keeping their KV); a group that cannot run now is let
+        go (its sequences run as any others)."""
+        only = self._probe(in_flight)
+        step = self._schedule(in_flight, max_seqs, only)
+        if step is None and only is not None and len(self.targets_down) < len(self.target_pools):
+            self.quarantine.passed(only)
+            return self._schedule(in_flight, max_seqs, self._probe(in_flight))
+        return step
+
+    def _probe(self, in_flight: frozenset[int]) -> frozenset[int] | None:
+        if not self.quarantine:
+            return None
+        return self.quarantine.probe({s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}, in_flight)
+
+    def _schedule(self, in_flight: frozenset[int], max_seqs: int | None, only: frozenset[int] | None
+                  ) -> ScheduledStep | None:
         batch: list[tuple[Sequence, int]] = []
         preempted = False
         self._draft_slots.clear()
-        free = [s for s in self.running if s.seq_id not in in_flight]
+        free = [s for s in self.running if s.seq_id not in in_flight and (only is None or s.seq_id in only)]
         cap = self.cache.max_num_seqs - (len(self.running) - len(free))
         if max_seqs is not None:
             free, cap = free[:max_seqs], min(cap, max_seqs)
@@ -222,8 +245,9 @@ class Scheduler:
             d_load[s.draft_rank] += s.num_tokens
         # No admissions in a step that had to preempt (that would thrash), unless nothing
         # runs at all: then a sequence that outgrew its pool is placed again, maybe elsewhere.
-        while self.waiting and not (preempted and batch) and len(batch) < cap:
-            seq = self.waiting[0]
+        admit = self.waiting if only is None else deque(s for s in self.waiting if s.seq_id in only)
+        while admit and not (preempted and batch) and len(batch) < cap:
+            seq = admit[0]
             if seq.seq_id in in_flight:
                 break      # preempted (a lost worker) while its step is in flight: it waits for that step
             cost = seq.num_tokens - seq.target_computed
@@ -235,14 +259,16 @@ class Scheduler:
             k = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
             if k is None:
                 break
-            self.waiting.popleft()
+            admit.popleft()
+            if admit is not self.waiting:
+                self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, k))
             budget -= cost
 
         if not batch:
-            if self.waiting and not self.running and len(self.targets_down) < len(self.target_pools):
+            if self.waiting and not self.running and only is None and len(self.targets_down) < len(self.target_pools):
                 seq = self.waiting[0]
                 pool = self.target_pools[seq.target_rank]
                 raise RuntimeError(f"KV pool too small: request {seq.request_id} needs "
@@ -322,18 +348,45 @@ class Scheduler:
     def target_back(self, rank: int) -> None:
         self.targets_down.discard(rank)
 
+    def step_failed(self, step: ScheduledStep, lost_drafts=(), lost_targets=()) -> Sequence | None:
+        """A step that raised: nothing of it is kept. Its sequences go back to the queue
+        with every token they had (their KV is recomputed, as after a preemption: exact);
+        the frees its plans carried are told again (a worker ignores frees of sequences it
+        does not hold; not those of sequences running again since, whose KV the worker now
+        holds anew); the workers lost on the way are dealt with as in ``update``; and the
+        sequences become suspects. Returns the culprit when the step ran one sequence: it is
+        finished with reason "error" (the caller fails its request)."""
+        running = {s.seq_id for s in self.running}
+        for plans, frees, down in ((step.target_plans, self._target_frees, self.targets_down),
+                                   (step.draft_plans, self._draft_frees, self.drafts_down)):
+            for r, plan in enumerate(plans):
+                if plan is not None and r not in down:
+                    frees[r][:0] = [sid for sid in plan.free_seq_ids if sid not in running]
+        seqs = [s for s in step.seqs if not s.finished]
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq, counted=False)
+        for r in sorted(lost_drafts):
+            self.draft_lost(r)
+        for r in sorted(lost_targets):
+            self.target_lost(r)
+        culprit = self.quarantine.failed([s.seq_id for s in seqs])
+        if culprit is None:
+            return None
+        seq = next(s for s in seqs if s.seq_id == culprit)
+        self.finish(seq, "error")
+        return seq
+
     # -- results -------------------------------------------------------------------
     def update(self, outcome: StepOutcome) -> list[tuple[Sequence, list[int]]]:
         """Apply a step's outcome: every verdict (``Sequence.apply``), then the lost
         workers; the stats and the policy read the same outcome. Returns (sequence, tokens
         appended) per verdict. Finished sequences are released."""
+        self._check_outcome(outcome)
         in_step = {s.seq_id: s for s in outcome.step.seqs}
         out = []
         for v in outcome.verdicts:
-            seq = in_step.pop(v.seq_id, None)
-            if seq is None:
-                raise ValueError(f"a verdict for sequence {v.seq_id}, which is not in step {outcome.step.step_id} "
-                                 "(or has two)")
+            seq = in_step.pop(v.seq_id)
             if seq.status is not SequenceStatus.RUNNING:
                 # Aborted, or preempted by a lost worker, while this step was in flight
                 # (groups in flight): what it emitted is recomputed, or not wanted.
@@ -345,10 +398,6 @@ class Scheduler:
             self.draft_lost(r)
         for r in sorted(outcome.lost_targets):
             self.target_lost(r)
-        # Every sequence on a worker that answered has its verdict; the rest were preempted.
-        missing = [sid for sid, s in in_step.items() if s.status is SequenceStatus.RUNNING]
-        if missing:
-            raise ValueError(f"step {outcome.step.step_id} has no verdict for sequences {missing}")
         self.stats.record(outcome)
         if self.num_speculative_tokens:
             self.policy.observe(outcome)
@@ -357,7 +406,29 @@ class Scheduler:
                 self.running.remove(seq)
                 self._release(seq)
                 self.stats.num_requests_finished += 1
+        self.quarantine.passed(v.seq_id for v in outcome.verdicts)
         return out
+
+    def _check_outcome(self, outcome: StepOutcome) -> None:
+        """What ``update`` would refuse, before it changes anything (a refused outcome is
+        a failed step, requeued whole): one verdict per sequence of the step, with
+        logprobs where it keeps them, and one for every sequence still running but those
+        on a target worker lost in the step (they are preempted)."""
+        in_step = {s.seq_id: s for s in outcome.step.seqs}
+        seen = set()
+        for v in outcome.verdicts:
+            seq = in_step.get(v.seq_id)
+            if seq is None or v.seq_id in seen:
+                raise ValueError(f"a verdict for sequence {v.seq_id}, which is not in step {outcome.step.step_id} "
+                                 "(or has two)")
+            seen.add(v.seq_id)
+            if seq.status is SequenceStatus.RUNNING and (seq.logprobs is None) != (v.logprobs is None):
+                raise ValueError(f"sequence {seq.seq_id} keeps logprobs: {seq.logprobs is not None}, "
+                                 f"its verdict carries them: {v.logprobs is not None}")
+        missing = [sid for sid, s in in_step.items() if sid not in seen and s.status is SequenceStatus.RUNNING
+                   and s.target_rank not in outcome.lost_targets]
+        if missing:
+            raise ValueError(f"step {outcome.step.step_id} has no verdict for sequences {missing}")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End one unfinished sequence between steps (a client's abort, a stop string):

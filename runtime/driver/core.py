@@ -22,8 +22,9 @@ import ray
 
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver.prompt_bound import max_prompt_chars
 from specray.runtime.driver.restarts import RestartLog
-from specray.runtime.engine.core import Engine
+from specray.runtime.engine.core import Engine, StepFailed
 from specray.runtime.engine.step_groups import GroupEngine, wants_groups
 from specray.scheduler.policies import build_policy
 from specray.runtime.request_output import RequestOutput
@@ -103,6 +104,20 @@ class _Request:
         self.counts = (seq.num_draft_tokens, seq.num_accepted_tokens)
 
 
+@dataclass
+class _Shown:
+    """A request's committed output, copied under the driver's lock: decoded after it."""
+
+    request_id: str
+    prompt: list[int]
+    tokens: list[int]
+    reason: str | None
+    counts: tuple[int, int]
+    logprobs: list | None
+    stop_text_at: int | None
+    stops: list[str]
+
+
 def _call_off(launch: Future, cancel: threading.Event) -> None:
     """Workers starting for a driver that then refused its configuration: call the start
     off (on Ray at once; in this process once the model it is loading is in) and release
@@ -168,7 +183,9 @@ class DriverCore:
         self._pollers = 0
         self._next_seq = 0
         self._stop = False
-        self._last_error: str | None = None
+        self._last_error: str | None = None      # operators' view (metrics); a client sees its own request's
+        self._num_failed_steps = 0
+        self._num_failed_requests = 0
         self._exporter = None
         if export_metrics if export_metrics is not None else backend == "ray":
             from specray.runtime.driver.metrics_export import RayMetrics
@@ -201,6 +218,10 @@ class DriverCore:
         if k >= self.max_model_len:
             raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {self.max_model_len}")
         self.tokenizer = tokenizer_or_none(model.target)  # None: token-id prompts only
+        # A text prompt longer than this cannot fit the window, whatever it is: refused
+        # before tokenizing it (which costs as much as the text is long); None: no bound
+        # is known for this tokenizer.
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         draft_len = None
         if model.draft is not None:
             dcfg = model_loader.load_config(model.draft)
@@ -238,6 +259,13 @@ class DriverCore:
             return SubmitReply([], "prompts and params must be lists of equal length")
         if resumes is not None and (not isinstance(resumes, list) or len(resumes) != len(prompts)):
             return SubmitReply([], "resumes must be a list as long as prompts")
+        fresh = len(prompts) if resumes is None else sum(1 for r in resumes if r is None)
+        with self._cv:
+            # Before any work (tokenizing costs as much as the prompts are long): a driver
+            # at its limit refuses at once. Checked again below, as others may submit meanwhile.
+            refused = self._refusal(fresh, len(prompts))
+        if refused is not None:
+            return refused
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
@@ -245,17 +273,9 @@ class DriverCore:
             except ValueError as e:
                 return SubmitReply([], request_error(i, e))
         with self._cv:
-            if self._stop:
-                return SubmitReply([], "the runtime is shut down")
-            # Bounded memory: the queue never holds more than max_pending unfinished requests.
-            # Counted here (not kept as a running total) so no path that ends a request can
-            # forget to decrement it; O(max_pending) per submit is microseconds.
-            pending = sum(1 for r in self._requests.values() if not r.seq.finished)
-            fresh = sum(1 for _, _, r in seqs if r is None)
-            if fresh and pending + len(seqs) > self.config.max_pending:
-                return SubmitReply([], f"overloaded: {pending} requests pending, max_pending is "
-                                       f"{self.config.max_pending}; this submit of {len(seqs)} was refused, "
-                                       "retry once some finish", overloaded=True)
+            refused = self._refusal(fresh, len(seqs))
+            if refused is not None:
+                return refused
             for seq, prompt, resume in seqs:
                 req = self._requests[seq.request_id] = _Request(seq, prompt)
                 if resume is not None:
@@ -266,6 +286,21 @@ class DriverCore:
                 self._incoming.append(seq)
             self._cv.notify_all()
         return SubmitReply([s.request_id for s, _, _ in seqs], seeds=[s.seed for s, _, _ in seqs])
+
+    def _refusal(self, fresh: int, n: int) -> SubmitReply | None:
+        """Why a submit of ``n`` requests (``fresh`` of them not resumed) is refused now,
+        if it is; called holding ``_cv``."""
+        if self._stop:
+            return SubmitReply([], "the runtime is shut down")
+        # Bounded memory: the queue never holds more than max_pending unfinished requests.
+        # Counted here (not kept as a running total) so no path that ends a request can
+        # forget to decrement it; O(max_pending) per submit is microseconds.
+        pending = sum(1 for r in self._requests.values() if not r.seq.finished)
+        if fresh and pending + n > self.config.max_pending:
+            return SubmitReply([], f"overloaded: {pending} requests pending, max_pending is "
+                                   f"{self.config.max_pending}; this submit of {n} was refused, "
+                                   "retry once some finish", overloaded=True)
+        return None
 
     def _make_seq(self, prompt, params, resume: Resume | None = None) -> tuple[Sequence, list[int], Resume | None]:
         ids, params = self._prepare(prompt, params)
@@ -301,11 +336,16 @@ class DriverCore:
             params = SamplingParams.from_dict(params)
         else:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.top_k >= self.vocab_size:
+            params = replace(params, top_k=0)      # it keeps every token: the filter is off
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
+            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+                raise ValueError(f"prompt has {len(prompt)} characters, more than max_model_len {self.max_model_len} "
+                                 f"tokens can spell ({self.max_prompt_chars}): it leaves no room to generate")
             ids = self._tokenize(prompt)
         elif isinstance(prompt, ChatPrompt):
             messages = check_messages(prompt.messages)
@@ -329,6 +369,9 @@ class DriverCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} "
                              "leaves no room to generate")
+        # max_tokens may reach past the window (chat's default is the window itself): the
+        # request is served to the window's end and finishes with "length", as a sequence
+        # that reaches it always does; SamplingParams bounds max_tokens itself.
         largest = max(self.scheduler.target_pools, key=lambda p: p.num_blocks)
         need = largest.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
         if need > largest.num_blocks:
@@ -354,10 +397,11 @@ class DriverCore:
                     return None
                 self._cv.wait(left)
             try:
-                return [self._output(self._requests[r]) for r in request_ids]
+                shown = [self._shown(self._requests[r]) for r in request_ids]
             finally:
                 for r in request_ids:   # delivered (or failed): forget them either way
                     del self._requests[r]
+        return [self._render(s) for s in shown]
 
     def wait_progress(self, request_ids: list[str], have: list[int], timeout: float = 1.0) -> WaitReply:
         """``wait`` for a client that can resume: the ids this driver does not hold are
@@ -393,16 +437,20 @@ class DriverCore:
                 if not self._wait_for_step(deadline):
                     return None
             try:
-                return self._delta(request_id, req)
+                shown = self._shown(req)
             except RuntimeError:
                 del self._requests[request_id]
                 raise
+        full = self._render(shown)
+        with self._cv:
+            return self._delta(request_id, req, full)
 
     def poll_many(self, request_ids: list[str], timeout: float = 1.0) -> PollReply:
         """``poll`` for many requests in one call (an HTTP ingress serving many streams):
         returns once any of them has something new, or at the timeout."""
         deadline = time.monotonic() + timeout
         reply = PollReply()
+        news: list[tuple[str, _Request, _Shown]] = []
         with self._cv:
             while True:
                 for rid in request_ids:
@@ -411,12 +459,19 @@ class DriverCore:
                         reply.unknown.append(rid)
                     elif self._has_news(req):
                         try:
-                            reply.deltas.append(self._delta(rid, req))
+                            news.append((rid, req, self._shown(req)))
                         except RuntimeError as e:
                             del self._requests[rid]
                             reply.errors[rid] = str(e)
-                if reply.deltas or reply.errors or reply.unknown or not self._wait_for_step(deadline):
-                    return reply
+                if news or reply.errors or reply.unknown or not self._wait_for_step(deadline):
+                    break
+        fulls = [self._render(shown) for _, _, shown in news]
+        with self._cv:
+            for (rid, req, _), full in zip(news, fulls):
+                delta = self._delta(rid, req, full)
+                if delta is not None:
+                    reply.deltas.append(delta)
+        return reply
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Stop these requests (a client went away): nothing more is delivered for them and
@@ -456,37 +511,54 @@ class DriverCore:
             self._pollers -= 1
         return True
 
-    def _delta(self, request_id: str, req: _Request) -> RequestOutput:
-        """The part of ``req`` not sent yet; forgets it once it is finished."""
-        full = self._output(req)
-        text = full.text
-        if not full.finished:
-            text = text.rstrip("\ufffd")     # an incomplete UTF-8 character: sent whole later
-            # A tail that may yet become a stop string is held until it does or does not.
-            text = text[:len(text) - held_back(text, req.seq.params.stop)]
-        delta = RequestOutput(request_id, req.prompt, full.token_ids[req.sent_tokens:], text[req.sent_text:],
-                              full.finish_reason, full.num_draft_tokens, full.num_accepted_tokens,
+    def _delta(self, request_id: str, req: _Request, full: RequestOutput) -> RequestOutput | None:
+        """The part of ``full`` (``req``'s output, rendered) not sent yet; forgets the
+        request once it is finished. Called holding ``_cv``; None when a concurrent poll
+        of the same request sent it all already."""
+        if self._requests.get(request_id) is not req:
+            return None
+        tokens = full.token_ids[req.sent_tokens:]
+        text = full.text[req.sent_text:]
+        if not (tokens or text or full.finished):
+            return None
+        delta = RequestOutput(request_id, req.prompt, tokens, text, full.finish_reason, full.num_draft_tokens,
+                              full.num_accepted_tokens,
                               full.logprobs[req.sent_tokens:] if full.logprobs is not None else None)
-        req.sent_tokens = len(full.token_ids)
-        req.sent_text = max(req.sent_text, len(text))
+        req.sent_tokens = max(req.sent_tokens, len(full.token_ids))
+        req.sent_text = max(req.sent_text, len(full.text))
         if full.finished:
             del self._requests[request_id]
         return delta
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _shown(self, req: _Request) -> _Shown:
+        """What clients may see of ``req`` (the steps committed), copied holding ``_cv``
+        for ``_render`` to decode without it; RuntimeError with its own error for a
+        request that failed."""
         seq = req.seq
         if req.error or (seq.finish_reason == "error"):
-            raise RuntimeError(req.error or self._last_error or "request failed")
+            raise RuntimeError(req.error or "request failed")
         end = req.committed
-        tokens = seq.output_tokens[:end]
-        reason = seq.finish_reason if req.closed else None
-        ended_by_token = reason == "stop" and req.stop_text_at is None
+        return _Shown(seq.request_id, req.prompt, seq.output_tokens[:end], seq.finish_reason if req.closed else None,
+                      req.counts, list(seq.logprobs[:end]) if seq.logprobs is not None else None,
+                      req.stop_text_at, seq.params.stop)
+
+    def _render(self, shown: _Shown) -> RequestOutput:
+        """The output ``shown``, its text decoded (without the stop token that ended it,
+        cut where a stop string began). While it runs, the text leaves out a tail that
+        is an incomplete character or may yet become a stop string. Runs without
+        ``_cv``: the decode and the search cost as much as the output is long."""
+        tokens, reason = shown.tokens, shown.reason
+        ended_by_token = reason == "stop" and shown.stop_text_at is None
         text_ids = tokens[:-1] if ended_by_token else tokens
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else ""
-        if req.stop_text_at is not None:
-            text = text[:req.stop_text_at]
-        return RequestOutput(seq.request_id, req.prompt, list(tokens), text, reason, *req.counts,
-                             list(seq.logprobs[:end]) if seq.logprobs is not None else None)
+        if shown.stop_text_at is not None:
+            text = text[:shown.stop_text_at]
+        if reason is None:
+            text = text.rstrip("\ufffd")     # an incomplete UTF-8 character: sent whole later
+            # A tail that may yet become a stop string is held until it does or does not.
+            text = text[:len(text) - held_back(text, shown.stops)]
+        return RequestOutput(shown.request_id, shown.prompt, list(tokens), text, reason, *shown.counts,
+                             shown.logprobs)
 
     def metrics(self, workers: bool = True) -> dict:
         """``workers``: also ask each model worker whether its steps replayed CUDA graphs
@@ -514,6 +586,9 @@ class DriverCore:
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  layout=self.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),
+                 # steps that raised (requeued, then narrowed down to the request that
+                 # failed them) and the requests that failed, for any reason
+                 num_failed_steps=self._num_failed_steps, num_requests_failed=self._num_failed_requests,
                  last_error=self._last_error)
         if self.pool.suffix is not None:
             m.update(self.pool.suffix.stats())
@@ -566,19 +641,20 @@ class DriverCore:
                 continue
             sched = self.scheduler
             unfinished = len(sched.waiting) + len(sched.running)
+            stepped = []
             try:
                 stepped = self.engine.step()
-                self._match_stops(stepped)
-            except Exception as e:  # a failed step fails its requests, not the runtime
+            except StepFailed as e:
+                # Nothing of the step was kept and its requests were requeued, but the one
+                # it ran alone: that one fails, with its own error (``Quarantine``).
+                self._num_failed_steps += 1
+                self._last_error = str(e)
+                if e.culprit is not None:
+                    self._fail([e.culprit], str(e))
+            except Exception as e:  # noqa: BLE001 - no step's own (every target worker dead): all fail
                 self._last_error = f"{type(e).__name__}: {e}"
-                failed = self.scheduler.abort_all("error")
-                self.engine.forget(failed)
-                with self._cv:
-                    for seq in failed:
-                        req = self._requests.get(seq.request_id)
-                        if req is not None:
-                            req.error = self._last_error
-                            req.closed = True
+                self._fail(self.scheduler.abort_all("error"), self._last_error)
+            self._match_stops(stepped)
             # A finished sequence leaves both queues (preemption only moves one across).
             if self._pollers or len(sched.waiting) + len(sched.running) < unfinished:
                 with self._cv:
@@ -588,32 +664,56 @@ class DriverCore:
                 self._export()
                 exported = True
 
+    def _fail(self, seqs: list[Sequence], why: str) -> None:
+        """These requests failed (their sequences are finished already): each is told
+        ``why`` when its client next asks."""
+        self.engine.forget(seqs)
+        self._num_failed_requests += len(seqs)
+        with self._cv:
+            for seq in seqs:
+                req = self._requests.get(seq.request_id)
+                if req is not None:
+                    req.error = why
+                    req.closed = True
+
     def _match_stops(self, stepped: list[tuple[Sequence, list[int]]]) -> None:
         """End the sequences whose text now holds one of their stop strings; then show
-        clients the step."""
+        clients the step. The search (a decode of each output) runs without ``_cv``:
+        between steps only this thread changes a sequence's tokens, and clients read no
+        further than what was committed."""
         with self._cv:
-            for seq, appended in stepped:
-                if not appended or not seq.params.stop:
-                    continue
-                req = self._requests.get(seq.request_id)
-                if req is None:
-                    continue
-                out = seq.output_tokens
+            reqs = [(seq, appended, self._requests.get(seq.request_id)) for seq, appended in stepped]
+        cuts, broken = [], []
+        for seq, appended, req in reqs:
+            if req is None or not appended or not seq.params.stop:
+                continue
+            out = seq.output_tokens
+            try:
                 cut = stop_cut(self._decode, out, req.stop_checked, seq.params.stop)
-                req.stop_checked = len(out)
-                if cut is None:
-                    continue
-                keep, req.stop_text_at = cut
-                ended_now = not seq.finished          # else EOS or length ended it in this step
+            except Exception as e:  # noqa: BLE001 - its text cannot be read: it fails alone
+                broken.append((seq, f"stop strings: {type(e).__name__}: {e}"))
+                continue
+            req.stop_checked = len(out)
+            if cut is not None:
+                cuts.append((seq, req, cut))
+        for seq, why in broken:
+            self.scheduler.finish(seq, "error")
+            seq.finish_reason = "error"
+            self._fail([seq], why)
+        ended = []
+        with self._cv:
+            for seq, req, (keep, begin) in cuts:
+                req.stop_text_at = begin
+                if not seq.finished:
+                    ended.append(seq)                 # else EOS or length ended it in this step
                 self.scheduler.finish(seq, "stop")
                 seq.finish_reason = "stop"
                 seq.truncate_output(keep)
-                if ended_now:
-                    self.engine.finished(seq)
-            for seq, _ in stepped:
-                req = self._requests.get(seq.request_id)
+            for seq, _, req in reqs:
                 if req is not None:
                     req.commit()
+        for seq in ended:
+            self.engine.finished(seq)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -23,13 +23,22 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, int] | 
 
 
 def held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` are a proper prefix of a stop string."""
+    """How many trailing characters of ``text`` are a proper prefix of a stop string.
+
+    Only the tail a prefix could fill is read, and only where it holds the stop string's
+    first character (found by ``str.find``): a few comparisons of at most ``len(s)``
+    characters each, where trying every length was ``len(s)`` slices and comparisons
+    on every poll, whatever the text."""
     held = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
+        tail = text[len(text) - min(len(s) - 1, len(text)):]
+        i = tail.find(s[0]) if s else -1
+        # The leftmost start whose rest of the tail begins s is the longest prefix.
+        while 0 <= i < len(tail) - held:
+            if s.startswith(tail[i:]):
+                held = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return held
 
 

@@ -6,6 +6,11 @@
 Workers are ``WorkerCall``s (``specray.runtime.transport.worker_call``): in-process workers run in
 ``submit``; Ray workers return references, so all draft workers (then all target workers)
 compute in parallel, and draft probabilities stay ObjectRefs the engine hands on unread.
+
+A step that raises anywhere between its plan and its update keeps nothing: its calls still
+out are drained (``specray.runtime.engine.open_calls``), the scheduler requeues its sequences and
+narrows down which one made it fail (``specray.scheduler.quarantine``), and ``step`` raises
+``StepFailed`` naming the request that failed, if the step ran it alone.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+from specray.runtime.engine.open_calls import OpenCalls
 from specray.runtime.engine.predraft_book import PredraftBook, Taken
 from specray.runtime.transport.worker_call import WorkerCall, WorkerLost
 from specray.scheduler.merge import merge_proposals
@@ -25,6 +31,17 @@ from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict, verdicts
 
 # One draft worker's answer: its proposals and the handle of their probabilities.
 Shard = tuple[Proposals, Any]
+
+
+class StepFailed(Exception):
+    """A step raised (``cause``) and nothing of it was kept: its sequences were requeued,
+    but ``culprit``, the one sequence the step ran (None when it ran several: they are
+    tried again in smaller groups), which is finished with reason "error"."""
+
+    def __init__(self, cause: BaseException, culprit: Sequence | None) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.culprit = culprit
 
 
 class Engine:
@@ -50,6 +67,7 @@ class Engine:
         self.proposers = proposers
         self.target_down_timeout_s = target_down_timeout_s
         self._all_down_since: float | None = None
+        self.calls = OpenCalls()
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns (sequence, tokens appended) for each verified sequence."""
@@ -63,22 +81,50 @@ class Engine:
             return []
         outcome = StepOutcome(step)
         outcome.times.schedule_s = self.clock() - t0
-        taken = self._take(step, outcome)
-        shards = self.propose(step, outcome, skip=set(taken))
-        shards += [(t.proposals, t.probs) for t in taken.values()]
-        ahead = self._predraft(step, taken, outcome)
-        outcome.verdicts = self.verify(step, shards, outcome)
-        self._collect(ahead, outcome)
-        outcome.times.step_s = self.clock() - t0
-        if self.suffix is not None and not self.suffix_beside_drafts:
+        try:
+            taken = self._take(step, outcome)
+            shards = self.propose(step, outcome, skip=set(taken))
+            shards += [(t.proposals, t.probs) for t in taken.values()]
+            ahead = self._predraft(step, taken, outcome)
+            outcome.verdicts = self.verify(step, shards, outcome)
+            self._collect(ahead, outcome)
+            outcome.times.step_s = self.clock() - t0
+            out = self.scheduler.update(outcome)
+        except Exception as e:
+            raise self._failed(step, outcome, e) from e
+        self._learn(outcome, out)
+        return out
+
+    def _learn(self, outcome: StepOutcome, out: list[tuple[Sequence, list[int]]]) -> None:
+        """Suffix decoding learns a step's verdicts (where it did not already, choosing
+        beside the drafts) and its finished requests."""
+        if self.suffix is None:
+            return
+        if not self.suffix_beside_drafts:
             for v in outcome.verdicts:
                 self.suffix.observe(v.seq_id, v.tokens)
-        out = self.scheduler.update(outcome)
-        if self.suffix is not None:
-            for seq, _ in out:
-                if seq.finished:
-                    self.suffix.finished(seq)
-        return out
+        for seq, _ in out:
+            if seq.finished:
+                self.suffix.finished(seq)
+
+    def _failed(self, step: ScheduledStep, outcome: StepOutcome, cause: Exception,
+                sent_losses: list[int] | None = None) -> StepFailed:
+        """Keep nothing of a step that raised: its calls still out are waited for, the
+        workers lost on the way are dealt with as in any step, its pre-drafts are dropped
+        and the scheduler requeues its sequences (``Scheduler.step_failed``).
+        ``sent_losses``: each draft rank's deaths counted when the step's calls were sent."""
+        for kind, r in self.calls.drain(step.step_id):
+            if kind == "target":
+                outcome.lost_targets.add(r)
+            elif self._new_draft_loss(r, sent_losses):
+                outcome.lost_drafts.add(r)
+        if self.book is not None:
+            self.book.drop()
+        return StepFailed(cause, self.scheduler.step_failed(step, outcome.lost_drafts, outcome.lost_targets))
+
+    def _new_draft_loss(self, rank: int, sent_losses: list[int] | None) -> bool:
+        """Whether a draft worker found lost while draining is a death not counted yet."""
+        return True
 
     def finished(self, seq: Sequence) -> None:
         """A request the driver ended between steps (a stop string): learn from it as from
@@ -108,7 +154,7 @@ class Engine:
                    if p is not None and r not in skip]
         for r, h in pending:
             try:
-                shards.append(self.proposers[r].wait(h))
+                shards.append(self.calls.wait(h))
             except WorkerLost:
                 # Its sequences verify without proposals this step (plain decoding).
                 outcome.lost_drafts.add(r)
@@ -146,9 +192,11 @@ class Engine:
         lens = [0 if score.get(sid, 0.0) > worth[n] else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
         return plan if lens == plan.proposal_lens else replace(plan, proposal_lens=lens)
 
-    def _submit_draft(self, r: int, plan, step: ScheduledStep):
+    def _submit_draft(self, r: int, plan, step: ScheduledStep) -> int:
+        """Send draft worker ``r`` its plan; returns the call's ticket (``OpenCalls``)."""
         call = self.proposers[r]
-        return call.submit(plan, step.draft_seqs[r]) if getattr(call, "takes_sequences", False) else call.submit(plan)
+        h = call.submit(plan, step.draft_seqs[r]) if getattr(call, "takes_sequences", False) else call.submit(plan)
+        return self.calls.sent(step.step_id, "draft", r, call.wait, h)
 
     def verify(self, step: ScheduledStep, shards: list[Shard], outcome: StepOutcome) -> list[Verdict]:
         """Every target worker at once, each plan with the shards' proposals merged in
@@ -175,12 +223,13 @@ class Engine:
                 plan = merge_proposals(plan, [p for p, _ in used], picks)
                 probs = [h for p, h in used if p.has_probs]
                 merge_s += self.clock() - t_merge
-            pending.append((r, plan, self.verifiers[r].submit(plan, probs)))
+            h = self.verifiers[r].submit(plan, probs)
+            pending.append((r, plan, self.calls.sent(step.step_id, "target", r, self.verifiers[r].wait, h)))
         out: list[Verdict] = []
         compute_s = 0.0
         for r, plan, h in sorted(pending, key=lambda p: p[0]):     # verdicts in rank order, as ever
             try:
-                result = self.verifiers[r].wait(h)
+                result = self.calls.wait(h)
             except WorkerLost:
                 # Its sequences are requeued with every token they had; nothing is lost.
                 outcome.lost_targets.add(r)
@@ -281,15 +330,18 @@ class Engine:
                 continue
             call = self.proposers[r]
             if r in taken:
-                ahead.append((r, call.submit_adopt(plan, taken[r].chosen)))
+                h = call.submit_adopt(plan, taken[r].chosen)
             elif self.book.wanted(plan):
-                ahead.append((r, call.submit_predraft(plan.step_id)))
+                h = call.submit_predraft(plan.step_id)
+            else:
+                continue
+            ahead.append((r, self.calls.sent(step.step_id, "draft", r, call.wait_predraft, h)))
         return ahead
 
     def _collect(self, ahead: list[tuple[int, Any]], outcome: StepOutcome) -> None:
         for r, h in ahead:
             try:
-                pre, probs = self.proposers[r].wait_predraft(h)
+                pre, probs = self.calls.wait(h)
             except WorkerLost:
                 # A lost pre-draft: the next step drafts as without one. A lost adoption
                 # also lost what the worker cached: its sequences catch up from scratch.

@@ -18,6 +18,9 @@ worker's in-flight sequences are recomputed like any other it held.
 
 With one sequence (or none) to run and nothing in flight, a step is the serial one
 (``Engine.step``, with pre-drafting where it is on): there is no second group.
+
+A group that fails (its draft calls cannot be sent, or its landing raises) fails alone, as
+a serial step does (``Engine._failed``): the other group stays in flight and lands next.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class Flight:
 
     step: ScheduledStep
     outcome: StepOutcome
-    drafts: list[tuple[int, Any]] = field(default_factory=list)     # (draft rank, call handle)
+    drafts: list[tuple[int, Any]] = field(default_factory=list)     # (draft rank, call ticket)
     draft_losses: list[int] = field(default_factory=list)           # each draft rank's, when sent
 
     @property
@@ -76,7 +79,7 @@ class GroupEngine(Engine):
             if new is None:
                 return []
             self.flight = new
-            new = self._launch(self.clock())
+            new = self._launch(self.clock())      # raising StepFailed, the first lands next step
         done, self.flight = self.flight, new
         self.num_group_steps += new is not None
         return self._land(done, t0)
@@ -92,17 +95,36 @@ class GroupEngine(Engine):
             return None
         outcome = StepOutcome(step)
         outcome.times.schedule_s = self.clock() - t0
-        drafts = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(step.draft_plans) if p is not None]
-        return Flight(step, outcome, drafts, list(self.draft_losses))
+        sent = list(self.draft_losses)
+        try:
+            drafts = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(step.draft_plans) if p is not None]
+        except Exception as e:
+            raise self._failed(step, outcome, e, sent) from e
+        return Flight(step, outcome, drafts, sent)
 
     def _land(self, f: Flight, t0: float) -> list[tuple[Sequence, list[int]]]:
         """Wait for the group's proposals, verify it and update the scheduler."""
+        try:
+            out = self._verify_group(f, t0)
+        except Exception as e:
+            raise self._failed(f.step, f.outcome, e, f.draft_losses) from e
+        self._learn(f.outcome, out)
+        return out
+
+    def _new_draft_loss(self, rank: int, sent_losses: list[int] | None) -> bool:
+        # A death already seen since the failed group's calls were sent is counted once.
+        if sent_losses is not None and self.draft_losses[rank] != sent_losses[rank]:
+            return False
+        self.draft_losses[rank] += 1
+        return True
+
+    def _verify_group(self, f: Flight, t0: float) -> list[tuple[Sequence, list[int]]]:
         sched, step, outcome = self.scheduler, f.step, f.outcome
         t_draft = self.clock()
         shards, stale = [], []
         for r, h in f.drafts:
             try:
-                shards.append(self.proposers[r].wait(h))
+                shards.append(self.calls.wait(h))
             except WorkerLost:
                 # Its sequences verify without proposals (plain decoding). A death already
                 # seen since this call was sent (by the other group's) is counted once.
@@ -125,15 +147,8 @@ class GroupEngine(Engine):
                 step.target_plans[r] = None
         outcome.verdicts = self.verify(step, shards, outcome)
         outcome.times.step_s = self.clock() - t0
-        if self.suffix is not None and not self.suffix_beside_drafts:
-            for v in outcome.verdicts:
-                self.suffix.observe(v.seq_id, v.tokens)
         out = sched.update(outcome)
         for r in stale:
             for seq in step.draft_seqs[r]:
                 seq.draft_computed = 0       # its worker died after this call was sent: it holds nothing
-        if self.suffix is not None:
-            for seq, _ in out:
-                if seq.finished:
-                    self.suffix.finished(seq)
         return out

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.messages import StepPlan, encode
+from specray.scheduler.sampling_params import INT32_MAX, MAX_STOP_CHARS, MAX_TEMPERATURE, SamplingParams
 
 
 def test_defaults_are_valid():
@@ -128,3 +129,56 @@ def test_temperatures_too_small_for_float32_mean_greedy(t):
     p = SamplingParams(temperature=t)
     assert p.greedy and p.temperature == 0.0
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+# What a hostile request carries: values that pass a type check but not the step's packing
+# (int32 / float64 arrays) or float arithmetic. Each must be refused here, naming its field.
+HOSTILE = [
+    ("temperature", 10**400),              # a JSON integer too large for a float
+    ("temperature", -10**400),
+    ("temperature", MAX_TEMPERATURE * 2),
+    ("temperature", 1e308),
+    ("top_p", 10**400),
+    ("top_p", -10**400),
+    ("top_p", math.inf),
+    ("top_p", -math.nan),
+    ("top_k", 10**12),
+    ("top_k", INT32_MAX + 1),
+    ("top_k", 10**400),
+    ("max_tokens", 10**30),
+    ("max_tokens", INT32_MAX + 1),
+    ("seed", 2**64),
+    ("seed", 10**400),
+    ("seed", -10**400),
+    ("stop_token_ids", [INT32_MAX + 1]),
+    ("stop_token_ids", [0, 10**30]),
+    ("logprobs", 10**400),
+    ("stop", "x" * (MAX_STOP_CHARS + 1)),
+    ("stop", ["ok", "y" * 100_000]),
+]
+
+
+@pytest.mark.parametrize("name,value", HOSTILE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(HOSTILE)])
+def test_out_of_range_values_are_refused_naming_the_field(name, value):
+    with pytest.raises(ValueError) as info:
+        SamplingParams.from_dict({name: value})
+    message = str(info.value)
+    assert message.startswith(name) or f" {name}" in message, message
+    assert len(message) < 200          # a refused value is not echoed back whole
+
+
+def test_the_largest_accepted_values_pack_into_a_step_plan():
+    """What SamplingParams accepts, the step's int32 / float64 arrays hold: the edges
+    encode without an OverflowError (an independent check: ``array`` itself)."""
+    p = SamplingParams(max_tokens=INT32_MAX, temperature=MAX_TEMPERATURE, top_k=INT32_MAX, top_p=1,
+                       seed=2**63 - 1, stop_token_ids=[INT32_MAX], stop=["z" * MAX_STOP_CHARS])
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    plan = StepPlan(seq_ids=[1], num_computed=[0], num_new=[1], token_ids=[p.stop_token_ids[0]], num_slots=[1],
+                    proposal_lens=[0], temperature=[p.temperature], top_k=[p.top_k], top_p=[p.top_p],
+                    seeds=[p.seed])
+    assert encode(plan)
+
+
+def test_integers_as_floats_are_converted_once():
+    p = SamplingParams(temperature=2, top_p=1)
+    assert (p.temperature, p.top_p) == (2.0, 1.0) and type(p.temperature) is float and type(p.top_p) is float

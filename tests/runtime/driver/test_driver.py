@@ -99,3 +99,169 @@ def test_poll_many_returns_every_request_with_news_in_one_call(llama_pair):
         drv.shutdown()
     assert [got[r] for r in ids] == hf_greedy(t, prompts, 10)
     assert polls < 30                                   # several requests' tokens per call
+
+
+# -- a failed step fails only the request that makes it fail ------------------------------
+
+MARK = 13      # a top_k that, here, breaks any step carrying it (as 10**12 broke the plan's packing)
+
+
+def break_steps_of(call, when=lambda plan: MARK in plan.top_k) -> list[int]:
+    """Make this worker call raise, as a worker does on input it cannot take, for every
+    plan ``when`` holds of; returns a list counting the calls that raised."""
+    raised, submit = [], call.submit
+
+    def faulty(plan, *args):
+        if plan.seq_ids and when(plan):
+            raised.append(plan.step_id)
+            raise OverflowError("Python int too large to convert to C int")
+        return submit(plan, *args)
+
+    call.submit = faulty
+    return raised
+
+
+GOOD = [SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=7),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=11, stop_token_ids=[3])]
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+
+
+def stream(drv: DriverCore, ids: list[str]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Every request's tokens as ``poll_many`` hands them out, and the errors."""
+    got, errors, left = {rid: [] for rid in ids}, {}, set(ids)
+    while left:
+        reply = drv.poll_many(sorted(left), timeout=60)
+        assert not reply.unknown
+        for d in reply.deltas:
+            got[d.request_id] += d.token_ids
+            if d.finished:
+                left.discard(d.request_id)
+        errors.update(reply.errors)
+        left -= set(reply.errors)
+    return got, errors
+
+
+@pytest.mark.parametrize("worker,overlap", [("target", False), ("target", True), ("draft", False)])
+def test_a_step_failing_for_one_request_fails_it_alone(llama_pair, worker, overlap):
+    """The failing request sits between two seeded ones in one submit: the first step
+    (all three) fails, then [first, bad] fails, [first] passes, [bad] fails alone. The
+    seeded requests' tokens equal a run without the bad one; only it gets an error, its own."""
+    alone = _local(llama_pair, overlap=overlap)
+    try:
+        want = [o.token_ids for o in alone.wait(alone.submit(PROMPTS, GOOD).request_ids, timeout=120)]
+    finally:
+        alone.shutdown()
+    drv = _local(llama_pair, overlap=overlap)
+    try:
+        calls = drv.engine.verifiers if worker == "target" else drv.engine.proposers
+        raised = break_steps_of(calls[0])
+        bad = SamplingParams(max_tokens=20, temperature=0.9, top_k=MARK, seed=8)
+        ids = drv.submit([PROMPTS[0], [1, 2, 3, 4], PROMPTS[1]], [GOOD[0], bad, GOOD[1]]).request_ids
+        got, errors = stream(drv, ids)
+        m = drv.metrics()
+        drv.scheduler.check_integrity()
+        assert len(drv.engine.calls) == 0           # no call of a failed step left unanswered
+    finally:
+        drv.shutdown()
+    assert [got[ids[0]], got[ids[2]]] == want
+    assert list(errors) == [ids[1]] and errors[ids[1]] == "OverflowError: Python int too large to convert to C int"
+    assert len(raised) == 3 and m["num_failed_steps"] == 3 and m["num_requests_failed"] == 1
+    assert m["target_kv_blocks_used"] == [0] and m["draft_kv_blocks_used"] == [0]
+    assert m["num_running"] == m["num_waiting"] == m["num_requests_held"] == 0
+
+
+def test_a_fault_of_every_step_fails_every_request_then_serving_resumes(llama_pair):
+    t, _ = llama_pair
+    drv = _local(llama_pair)
+    try:
+        broken = [True]
+        raised = break_steps_of(drv.engine.verifiers[0], lambda plan: broken[0])
+        n = 5
+        ids = drv.submit([[5 + i, 6, 7] for i in range(n)],
+                         [SamplingParams(max_tokens=8, temperature=0.0)] * n).request_ids
+        got, errors = stream(drv, ids)
+        assert sorted(errors) == sorted(ids) and not any(got.values())
+        assert set(errors.values()) == {"OverflowError: Python int too large to convert to C int"}
+        m = drv.metrics()
+        assert m["num_failed_steps"] == len(raised) == 2 * n - 1 and m["num_requests_failed"] == n
+        broken[0] = False
+        (out,) = drv.wait(drv.submit([[5, 6, 7]], [SamplingParams(max_tokens=8, temperature=0.0)]).request_ids,
+                          timeout=120)
+        assert drv.metrics()["target_kv_blocks_used"] == [0]
+    finally:
+        drv.shutdown()
+    assert out.token_ids == hf_greedy(t, [[5, 6, 7]], 8)[0]
+
+
+def test_limits_are_checked_before_a_prompt_is_tokenized():
+    """A text longer than the window can spell is refused untokenized; so is any submit
+    once max_pending requests are held. top_k past the vocabulary is off."""
+    import threading
+
+    from specray.runtime.model_store import builtin_model
+
+    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2),
+                     backend="local", export_metrics=False)
+    gate = threading.Event()
+    verify = drv.engine.verifiers[0].submit
+    drv.engine.verifiers[0].submit = lambda plan, *a: (gate.wait(60), verify(plan, *a))[1]   # no step ends
+    tokenized, tokenize = [], drv._tokenize
+    drv._tokenize = lambda text: tokenized.append(len(text)) or tokenize(text)
+    try:
+        bound = drv.max_prompt_chars
+        assert bound is not None
+        reply = drv.submit(["a" * (bound + 1)], [SamplingParams(max_tokens=4)])
+        assert reply.error.startswith("request 0: prompt has") and "max_model_len 64" in reply.error
+        assert tokenized == []
+        reply = drv.submit(["a" * bound], [SamplingParams(max_tokens=4)])      # measured, then refused
+        assert tokenized == [bound] and "leaves no room" in reply.error
+        held = drv.submit(["def f(", "import os"], [SamplingParams(max_tokens=8)] * 2)
+        assert held.error is None
+        tokenized.clear()
+        reply = drv.submit(["x" * 50], [SamplingParams()])
+        assert reply.overloaded and tokenized == []
+        vocab = drv.vocab_size
+        assert drv._prepare([1, 2], SamplingParams(top_k=vocab))[1].top_k == 0
+        assert drv._prepare([1, 2], SamplingParams(top_k=vocab - 1))[1].top_k == vocab - 1
+    finally:
+        gate.set()
+        drv.shutdown()
+
+
+def test_stop_strings_are_matched_without_holding_the_drivers_lock():
+    """While the step loop decodes an output to search its stop strings, submits, polls
+    and metrics are answered (they take the lock the search no longer holds)."""
+    import threading
+    import time
+
+    from specray.runtime.model_store import builtin_model
+
+    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=128), backend="local",
+                     export_metrics=False)
+    searching, release = threading.Event(), threading.Event()
+    decode = drv._decode
+
+    def slow_decode(ids):
+        searching.set()
+        release.wait(60)
+        return decode(ids)
+
+    drv._decode = slow_decode
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, stop=["never in this output"])
+        (rid,) = drv.submit(["def f("], [params]).request_ids
+        assert searching.wait(60)
+        t0 = time.monotonic()
+        other = drv.submit([[1, 2, 3]], [SamplingParams(max_tokens=2)])
+        drv.poll_many([rid], timeout=0.1)
+        drv.metrics(workers=False)
+        assert time.monotonic() - t0 < 5 and other.error is None
+        assert not release.is_set()                 # all of it answered while the search waited
+        release.set()
+        (out,) = drv.wait([rid], timeout=120)
+    finally:
+        release.set()
+        drv.shutdown()
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"

@@ -53,3 +53,17 @@ def test_stop_cut_equals_a_brute_force_search_step_by_step():
             got = stop_cut(decode, tokens[:upto], checked, stops)
             checked = upto
         assert got == want, (tokens, stops)
+
+
+def brute_held_back(text: str, stops: list[str]) -> int:
+    """Every proper prefix of every stop string, tried against the end of the text."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def test_held_back_equals_a_brute_force_search():
+    rng = random.Random(1)
+    for _ in range(3000):
+        text = "".join(rng.choice("aab\n") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("ab\nc") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
+        assert held_back(text, stops) == brute_held_back(text, stops), (text, stops)
+

@@ -121,3 +121,35 @@ def test_actor_layout_with_groups_equals_hf_generate(ray_module, llama_pair):
         assert m["layout"] == "actors" and m["num_group_steps"] > 0
     finally:
         rt.shutdown()
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_a_group_failing_for_one_request_fails_it_alone(llama_pair, worker):
+    """A request whose every step raises (its draft call cannot be sent: the group fails at
+    launch; or its verification raises: at landing) while the other group is in flight:
+    it alone fails, and the others' seeded samples equal a serial run without it."""
+    from test_driver import MARK, break_steps_of
+
+    cfg = config(llama_pair, max_num_seqs=8)
+    params = [SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=i) for i in range(len(PROMPTS))]
+    want, _ = run(cfg, params, groups=False)
+    bad = 4
+    drv = DriverCore(cfg, backend="local", export_metrics=False)
+    try:
+        engine = grouped(drv)
+        raised = break_steps_of((engine.proposers if worker == "draft" else engine.verifiers)[0])
+        reply = drv.submit(PROMPTS[:bad] + [[1, 2, 3]] + PROMPTS[bad:],
+                           params[:bad] + [SamplingParams(max_tokens=30, top_k=MARK)] + params[bad:])
+        assert reply.error is None
+        ids = reply.request_ids
+        outs = drv.wait(ids[:bad] + ids[bad + 1:], timeout=300)
+        with pytest.raises(RuntimeError, match="OverflowError"):
+            drv.wait([ids[bad]], timeout=60)
+        m = drv.metrics(workers=False)
+        drv.scheduler.check_integrity()
+        assert len(engine.calls) == 0 and engine.flight is None
+    finally:
+        drv.shutdown()
+    assert [o.token_ids for o in outs] == want
+    assert raised and m["num_failed_steps"] == len(raised) and m["num_requests_failed"] == 1
+    assert m["num_group_steps"] > 0 and m["target_kv_blocks_used"] == [0] and m["draft_kv_blocks_used"] == [0]
