@@ -39,7 +39,7 @@ proposer, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kw = dict(target=builtin_model("tiny-target"), proposer=proposer)
 if proposer == "draft":
     kw["draft"] = builtin_model("tiny-draft")
-d = DriverCore(RuntimeConfig(**kw), backend="local", export_metrics=False)
+d = DriverCore(RuntimeConfig(layout="colocated", **kw), export_metrics=False)
 prompts = held_out_prompts(batch * 40)
 params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 

@@ -75,7 +75,7 @@ def main() -> int:
                                                            executor=ex if ex in ("native", "transformers") else "native",
                                                            cuda_graphs=ex == "graphs", max_model_len=window,
                                                            cuda_graph_query_lens=(1, 5)),
-                                   CacheConfig(max_num_seqs=b, num_kv_blocks=blocks))
+                                   CacheConfig(max_num_seqs=b, num_kv_blocks=blocks), window)
                    for ex in kinds}
         if args.graphs and runners["graphs"].graphs is None:
             from specray.workers.graph_capture import Uncaptured

@@ -8,7 +8,7 @@ start that hangs cannot stall the rest, and what a part finished before its budg
 out is kept (it writes its results as it goes).
 
 1. exactness: in float32, the built-in pair's greedy output through every runtime layout
-   (co-located with and without CUDA graphs, worker actors, compiled graph channels;
+   (co-located with and without CUDA graphs, worker actors;
    draft, n-gram and no proposer) must equal transformers' greedy ``generate`` on the same
    device, token for token. A layout that fails to start is recorded, the others run.
    Each reports its CUDA graph counters (replays, eager forwards, capture failures).
@@ -76,8 +76,8 @@ def reference(device: str, dtype: str, prompts: list[list[int]], tokens: int, ba
 
 def layouts(device: str) -> list[tuple[str, dict, str]]:
     half = {"target_resources": {"GPU": 0.5}, "draft_resources": {"GPU": 0.5}} if device == "cuda" else {}
-    kinds = {"co-located": {"colocate": True}, "co-located eager": {"colocate": True, "cuda_graphs": False},
-             "actors": half, "compiled graph": {"compiled_graph": True, **half}}
+    kinds = {"co-located": {"layout": "colocated"}, "co-located eager": {"layout": "colocated", "cuda_graphs": False},
+             "actors": {"layout": "actors", **half}}
     # Two CPU cores start an actor runtime in seconds: there, every proposer co-located only.
     every = ("draft", "ngram", "none")
     return [(name, layout, p) for name, layout in kinds.items()
@@ -141,7 +141,7 @@ def part_precision(args, prog: Progress) -> None:
     ref8 = reference(args.device, dtype, prompts, args.tokens, batch=8)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rt = SpecRuntime(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
-                                   device=args.device, dtype=dtype, colocate=True, max_model_len=window,
+                                   device=args.device, dtype=dtype, layout="colocated", max_model_len=window,
                                    max_num_seqs=16))
     try:
         got = [o.token_ids for o in rt.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0))]

@@ -76,7 +76,7 @@ def main() -> None:
     # The runtime reserves for the widest policy; each policy keeps to its own k.
     config = RuntimeConfig(target=args.target, draft=draft, num_speculative_tokens=max([args.k, *static_ks]),
                            device="cpu", dtype="float32", max_num_seqs=max(batch_sizes))
-    drv = DriverCore(config, backend="local")
+    drv = DriverCore(config.replace(layout="colocated"))
 
     def spec(k: int, **kw) -> SpeculationConfig:
         return SpeculationConfig(num_speculative_tokens=k, **kw)

@@ -6,7 +6,7 @@
 Layouts: co-located (driver, draft and target in one actor), single node (the actor
 layout: the driver's actor hosting the target, a draft actor beside it, on one node) with
 two groups in flight (the default), one group, the draft reached over Ray actor calls
-instead of its link, and compiled graph channels; two target workers (data parallel: one
+instead of its link; two target workers (data parallel: one
 hosted, one an actor), over links or Ray calls; and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
 their own nodes, both ways). Each reports, per step and batch size: wall time, the draft
 and verify workers' own compute, messaging (the rest of those calls: the hops), and the
@@ -20,9 +20,9 @@ import json
 import statistics
 
 COLS = ("busy_s", "draft_compute_s", "verify_compute_s", "messaging_s", "schedule_s", "merge_s", "driver_overhead_s")
-SINGLE = ("co-located", "single node", "single node ray calls", "single node 1 group", "compiled",
-          "2 targets", "2 targets ray calls")
-MULTI = ("multi-node", "multi compiled")
+SINGLE = ("co-located", "single node", "single node ray calls", "single node 1 group", "2 targets",
+          "2 targets ray calls")
+MULTI = ("multi-node",)
 
 
 def measure(cfg_kwargs: dict, prompts: list[str], tokens: int, repeats: int, batch: int) -> dict:
@@ -70,7 +70,6 @@ def main() -> None:
     kinds = {"co-located": {"layout": "colocated"}, "single node": {"layout": "actors"},
              "single node ray calls": {"layout": "actors", "worker_link": False},
              "single node 1 group": {"layout": "actors", "groups_in_flight": 1},
-             "compiled": {"layout": "actors", "compiled_graph": True},
              "2 targets": {"layout": "actors", "num_target_workers": 2},
              "2 targets ray calls": {"layout": "actors", "num_target_workers": 2, "worker_link": False}}
     results = {}
@@ -88,10 +87,8 @@ def main() -> None:
         ray.init(address=cluster.address, log_to_driver=False)
         try:
             placed = {**base, "draft_resources": {"specray_draft": 1}, "target_resources": {"specray_target": 1}}
-            for name, extra in (("multi-node", {}), ("multi compiled", {"compiled_graph": True})):
-                if name in layouts:
-                    for b in sizes:
-                        results[f"{name} b{b}"] = measure({**placed, **extra}, prompts, args.tokens, args.repeats, b)
+            for b in sizes:
+                results[f"multi-node b{b}"] = measure(placed, prompts, args.tokens, args.repeats, b)
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -14,7 +14,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import ClusterConfig, RuntimeConfig
-from specray.runtime.driver.core import REQUEST_ERROR, DriverInfo, Overloaded, RemoteDriver, SubmitReply, request_error
+from specray.runtime.driver.actor import RemoteDriver
+from specray.runtime.driver.replies import REQUEST_ERROR, DriverInfo, Overloaded, SubmitReply, request_error
 from specray.runtime.driver.restarts import DriverGone, actor_errors, wait_for_driver
 from specray.runtime import layout, ray_env
 from specray.runtime.request_output import RequestOutput
@@ -45,14 +46,13 @@ class SpecRuntime:
         else:
             here = ray.get_runtime_context().get_node_id()
             opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
-        backend = layout.BACKENDS[config.cluster.layout]
         if cluster.name:
             opts.update(name=cluster.name, namespace=cluster.namespace)
         if cluster.detached:
             opts["lifetime"] = "detached"
         # Ray restarts a dead driver; this handle resumes its requests on the new one.
         opts.update(max_restarts=cluster.max_driver_restarts, max_task_retries=0)
-        self._driver = RemoteDriver.options(**opts).remote(config, backend, True)
+        self._driver = RemoteDriver.options(**opts).remote(config, True)
         self._attached = False
         self._closed = False
         self._track(cluster.driver_restart_timeout_s)

@@ -55,14 +55,10 @@ class ClusterConfig:
     groups_in_flight: int = field(default=2, metadata={
         "help": "in the actor layout at batch >= 2, the draft proposes for one group of sequences while the "
                 "target verifies the other (2), or each step runs alone (1)", "choices": (1, 2)})
-    colocate: bool = field(default=False, metadata={
-        "help": "the same as --layout colocated (draft and target inside the driver's actor)"})
-    compiled_graph: bool = field(default=False, metadata={
-        "help": "driver <-> worker steps over Ray Compiled Graph channels instead of actor calls"})
     worker_link: bool = field(default=True, metadata={
         "help": "the driver reaches worker actors (drafts, data-parallel targets) on a socket of their own instead "
-                "of Ray actor calls (about 1 ms less a call; Ray calls where the socket cannot be reached); not "
-                "with compiled_graph"})
+                "of Ray actor calls, which cost a task submission each; Ray calls where the socket cannot be "
+                "reached or Ray runs with TLS"})
     placement_strategy: str = field(default="SPREAD", metadata={
         "help": "placement group strategy of the workers", "choices": PLACEMENT_STRATEGIES})
     placement_timeout_s: float = field(default=300.0, metadata={
@@ -92,21 +88,13 @@ class ClusterConfig:
         check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         check_choice("layout", self.layout, LAYOUTS)
         check_choice("groups_in_flight", self.groups_in_flight, (1, 2))
-        for name in ("colocate", "compiled_graph", "worker_link", "detached"):
+        for name in ("worker_link", "detached"):
             check_bool(name, getattr(self, name))
         for name in ("draft_resources", "target_resources"):
             res = getattr(self, name)
             if not isinstance(res, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
                                                 for v in res.values()):
                 raise ValueError(f"{name} must map resource names to non-negative amounts")
-        if self.colocate and self.layout == "actors":
-            raise ValueError("colocate=True is layout='colocated'; it contradicts layout='actors'")
-        # colocate is the old name of layout="colocated": each implies the other.
-        if self.colocate or self.layout == "colocated":
-            object.__setattr__(self, "layout", "colocated")
-            object.__setattr__(self, "colocate", True)
-        if self.compiled_graph and self.colocate:
-            raise ValueError("compiled_graph needs worker actors; layout='colocated' runs the workers in the driver")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,
@@ -130,7 +118,8 @@ class RuntimeConfig:
     def __init__(
         self, target: str = _UNSET, draft: str | None = _UNSET, *,
         # ModelConfig
-        device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET, executor: str = _UNSET,
+        device: str = _UNSET, dtype: str = _UNSET, max_model_len: int | None = _UNSET,
+        draft_max_model_len: int | None = _UNSET, executor: str = _UNSET,
         torch_threads: int = _UNSET,
         cuda_graphs: bool = _UNSET, cuda_graph_query_lens: tuple = _UNSET,
         # CacheConfig
@@ -146,7 +135,7 @@ class RuntimeConfig:
         num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
         max_driver_restarts: int = _UNSET, driver_restart_timeout_s: float = _UNSET,
-        layout: str = _UNSET, groups_in_flight: int = _UNSET, colocate: bool = _UNSET, compiled_graph: bool = _UNSET,
+        layout: str = _UNSET, groups_in_flight: int = _UNSET,
         worker_link: bool = _UNSET, placement_strategy: str = _UNSET,
         placement_timeout_s: float = _UNSET, ray_address: str | None = _UNSET,
         ray_connect_timeout_s: float = _UNSET, name: str | None = _UNSET, namespace: str = _UNSET,
@@ -178,11 +167,6 @@ class RuntimeConfig:
             raise ValueError(f"draft must be set when proposer={proposer!r}")
         if not self.speculation.draft_model and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
-        if self.speculation.overlap and self.cluster.compiled_graph:
-            raise ValueError("overlap=True needs actor calls: a compiled graph's channel carries one step at a time")
-        if self.speculation.overlap and self.cluster.colocate:
-            # In one process nothing would run beside the verify: pre-drafts would only add work.
-            object.__setattr__(self, "speculation", dataclasses.replace(self.speculation, overlap=False))
 
     def replace(self, **changes) -> "RuntimeConfig":
         """A copy with flat fields (or whole sections, ``seed``, ``max_pending``) changed."""

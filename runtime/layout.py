@@ -1,16 +1,18 @@
-"""Which processes host the draft and the target: ``RuntimeConfig.layout``.
+"""Where the workers run (``RuntimeConfig.layout``), and what follows from it, decided once.
 
-- ``"colocated"``: driver, draft and target in one actor (``backend="local"``): no hop
-  per step, the two models take turns on the same cores or device.
-- ``"actors"``: the driver's actor hosts the target worker (``backend="hosted"``) and asks
-  for the target's resources, so on a cluster it lands where the target's device is; the
-  draft workers are actors of their own. A step has one remote hop, to the draft; further
-  target workers (data parallel) are actors called while the hosted one verifies.
+- ``"colocated"``: driver, draft and target in one actor: no hop per step, the two models
+  take turns on the same cores or device.
+- ``"actors"``: the driver's actor hosts the target worker and asks for the target's
+  resources, so on a cluster it lands where the target's device is; the draft workers are
+  actors of their own. A step has one remote hop, to the draft; further target workers
+  (data parallel) are actors called while the hosted one verifies.
 - ``"auto"``: co-located where draft and target would share one device or one machine's
   CPUs and nothing asks for separate resources; actors otherwise.
 
-``choose`` decides from plain facts (testable without Ray); ``resolve`` reads them from
-the Ray this process is connected to and logs the one line that says which and why.
+``choose`` decides the layout from plain facts (testable without Ray); ``resolve`` reads
+them from the Ray this process is connected to and logs the one line that says which and
+why (the client does this before it starts the driver). What follows from the decided
+layout is decided once, by the driver (``specray.runtime.settled``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import logging
 from specray.runtime.config import RuntimeConfig
 
 log = logging.getLogger("specray")
-
-# The driver backend each layout runs on (specray.runtime.transport.worker_pool.start_workers).
-BACKENDS = {"colocated": "local", "actors": "hosted"}
 
 
 def choose(config: RuntimeConfig, num_nodes: int, num_gpus: float) -> tuple[str, str]:
@@ -34,8 +33,6 @@ def choose(config: RuntimeConfig, num_nodes: int, num_gpus: float) -> tuple[str,
     asks = [name for name in ("draft_resources", "target_resources") if getattr(cluster, name)]
     if asks:
         return "actors", f"{' and '.join(asks)} ask for separate resources"
-    if cluster.compiled_graph:
-        return "actors", "compiled_graph needs worker actors"
     if not config.speculation.draft_model:
         return "colocated", f"proposer {config.speculation.proposer!r} has no draft model to separate"
     workers = cluster.num_draft_workers + cluster.num_target_workers
@@ -61,3 +58,4 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     layout, why = choose(config, len(nodes), gpus)
     log.info("specray layout: %s (%s)", layout, why)
     return config if layout == config.cluster.layout else config.replace(layout=layout)
+

@@ -44,9 +44,9 @@ from specray.scheduler.step import ScheduledStep, StepOutcome
 class Scheduler:
     def __init__(self, cache: CacheConfig, speculation: SpeculationConfig, max_model_len: int,
                  target_pools: BlockManager | list[BlockManager], draft_pools: BlockManager | list[BlockManager] |
-                 None = None, *, draft_max_len: int | None = None, num_proposers: int = 1,
+                 None = None, *, draft_max_model_len: int | None = None, num_proposers: int = 1,
                  policy: SpeculationPolicy | None = None) -> None:
-        """``max_model_len``: the window in force (the target's, or less); ``draft_max_len``:
+        """``max_model_len``: the window in force (the target's, or less); ``draft_max_model_len``:
         the draft's (None: a proposer without one, such as n-gram lookup). ``draft_pools``:
         the draft workers' pools (None for a proposer without KV, of which there are
         ``num_proposers``). ``policy``: what each sequence proposes (default: static)."""
@@ -55,7 +55,7 @@ class Scheduler:
         self.cache = cache
         self.speculation = speculation
         self.max_model_len = max_model_len
-        self.draft_max_len = draft_max_len
+        self.draft_max_model_len = draft_max_model_len
         self.num_speculative_tokens = speculation.num_speculative_tokens
         self.policy: SpeculationPolicy = policy if policy is not None else StaticPolicy(speculation)
         self.target_pools = _as_list(target_pools)
@@ -97,7 +97,7 @@ class Scheduler:
             return 0
         n = seq.num_tokens
         limit = min(self.num_speculative_tokens, seq.remaining - 1, self.max_model_len - n - 1)
-        if self.draft_max_len is not None and n + limit > self.draft_max_len:
+        if self.draft_max_model_len is not None and n + limit > self.draft_max_model_len:
             # Past the draft's window the draft cannot propose: the sequence decodes without it.
             return 0
         return max(limit, 0)
@@ -124,7 +124,7 @@ class Scheduler:
             # Overlap: also a pre-draft of the next window (k + 1 past its own: the last
             # proposal, the guess of the target's token and k - 1 passes), where it fits.
             ahead = n + 2 * k
-            if (self.speculation.overlap and (self.draft_max_len is None or ahead <= self.draft_max_len)
+            if (self.speculation.overlap and (self.draft_max_model_len is None or ahead <= self.draft_max_model_len)
                     and draft.allocate_slots(seq.seq_id, ahead)):
                 slots = ahead
             else:

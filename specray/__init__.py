@@ -21,7 +21,7 @@ _EXPORTS = {
     "RequestOutput": "specray.runtime.request_output",
     "SamplingParams": "specray.scheduler.sampling_params",
     "TokenLogprob": "specray.scheduler.token_logprob",
-    "Overloaded": "specray.runtime.driver.core",
+    "Overloaded": "specray.runtime.driver.replies",
     "builtin_model": "specray.runtime.model_store",
 }
 
@@ -32,7 +32,7 @@ assert set(__all__) == set(_EXPORTS)
 if TYPE_CHECKING:
     from specray.runtime.client import SpecRuntime
     from specray.runtime.config import RuntimeConfig
-    from specray.runtime.driver.core import Overloaded
+    from specray.runtime.driver.replies import Overloaded
     from specray.runtime.model_store import builtin_model
     from specray.runtime.request_output import RequestOutput
     from specray.scheduler.sampling_params import SamplingParams

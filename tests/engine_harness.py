@@ -189,10 +189,7 @@ class FakeCall:
         return self.h.tick >= self.h.back_at.get((self.kind, self.rank), 0)
 
     def gone(self) -> bool:
-        return False
-
-    def compiled(self) -> bool:
-        return False
+        return (self.kind, self.rank) in self.h.gone_for_good
 
     def close(self) -> None:
         pass
@@ -231,6 +228,8 @@ class Harness:
     # workers killed and not called since (their next call fails); when each answers again
     dead: set[tuple[str, int]] = field(default_factory=set)
     back_at: dict[tuple[str, int], int] = field(default_factory=dict)
+    # workers dead more often than Ray restarts them: they will not come back
+    gone_for_good: set[tuple[str, int]] = field(default_factory=set)
     tick: int = 0
     losses: dict[str, int] = field(default_factory=lambda: {"draft": 0, "target": 0})
     engine: Engine | None = None
@@ -650,7 +649,7 @@ def _per_rank(blocks, ranks: int) -> list:
     return [blocks] * ranks
 
 
-def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = None, block_size: int = 4,
+def build(k: int = 4, max_model_len: int = 256, draft_max_model_len: int | None = None, block_size: int = 4,
           target_blocks: int | list[int] = 1000, draft_blocks: int | list[int] | None = 1000,
           target_ranks: int = 1, draft_ranks: int = 1, use_proposer: bool = True, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, disable_by_batch_size: int | None = None,
@@ -674,8 +673,8 @@ def build(k: int = 4, target_max_len: int = 256, draft_max_len: int | None = Non
         dpools = [BlockManager(n, block_size) for n in d_sizes]
         dpools = dpools[0] if len(dpools) == 1 else dpools
     policy = policy if policy is not None else StaticPolicy(spec)
-    sched = Scheduler(cache, spec, target_max_len, tpools[0] if len(tpools) == 1 else tpools, dpools,
-                      draft_max_len=draft_max_len, num_proposers=len(d_sizes), policy=policy)
+    sched = Scheduler(cache, spec, max_model_len, tpools[0] if len(tpools) == 1 else tpools, dpools,
+                      draft_max_model_len=draft_max_model_len, num_proposers=len(d_sizes), policy=policy)
     targets = [FakeWorker(f"target{r}", n, block_size) for r, n in enumerate(t_sizes)]
     drafts = [FakeWorker(f"draft{d}", n, block_size) for d, n in enumerate(d_sizes)]
     return Harness(sched, targets, drafts, suffix_wrong=suffix_wrong)
@@ -714,7 +713,7 @@ def expected_limit(sched: Scheduler, k: int, n: int, remaining: int) -> int:
     if k == 0:
         return 0
     limit = max(0, min(k, remaining - 1, sched.max_model_len - n - 1))
-    if sched.draft_max_len is not None and n + limit > sched.draft_max_len:
+    if sched.draft_max_model_len is not None and n + limit > sched.draft_max_model_len:
         return 0
     return limit
 

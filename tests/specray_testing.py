@@ -18,9 +18,10 @@ def worker_configs(target: str, draft: str | None = None, *, block_size: int = 4
     on the CPU, a small pool, unless told otherwise."""
     from specray.scheduler.config import CacheConfig
     from specray.workers.config import ModelConfig
+    from specray.workers.model_files import settle_windows
 
     model = {"dtype": "float32", "device": "cpu", **model}
-    return (ModelConfig(target=target, draft=draft, **model),
+    return (settle_windows(ModelConfig(target=target, draft=draft, **model)),
             CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs))
 
 
@@ -28,7 +29,8 @@ def model_runner(path: str, **kw):
     """A ModelRunner of one checkpoint, built through the workers' own path."""
     from specray.workers.model_runner import ModelRunner
 
-    return ModelRunner(path, *worker_configs(path, **kw))
+    model, cache = worker_configs(path, **kw)
+    return ModelRunner(path, model, cache, model.max_model_len)
 
 
 def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 2,
@@ -210,7 +212,7 @@ def run_local(cfg, prompts, params):
     are consistent and empty afterwards. ``params``: one SamplingParams or one per prompt."""
     from specray.runtime.driver.core import DriverCore
 
-    drv = DriverCore(cfg, backend="local")
+    drv = DriverCore(cfg.replace(layout="colocated"))
     try:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reply = drv.submit(prompts, plist)

@@ -25,6 +25,9 @@ class ModelConfig:
         "help": "auto (the checkpoint's on CUDA, float32 on CPU), float32, bfloat16 or float16"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window (default: the target's max_position_embeddings)"})
+    draft_max_model_len: int | None = field(default=None, metadata={
+        "help": "the draft model's context window, within max_model_len (default: its max_position_embeddings); "
+                "past it a sequence decodes without proposals"})
     executor: str = field(default="auto", metadata={
         "help": "forward path: auto (specray's own for Llama/Mistral/Qwen2/Qwen3, else transformers), "
                 "native (refuse other models) or transformers", "choices": EXECUTORS})
@@ -47,8 +50,9 @@ class ModelConfig:
         check_choice("device", self.device, DEVICES)
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string, got {self.dtype!r}")
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 2)
+        for name in ("max_model_len", "draft_max_model_len"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 2)
         check_choice("executor", self.executor, EXECUTORS)
         check_int("torch_threads", self.torch_threads, 0)
         if not isinstance(self.cuda_graphs, bool):

@@ -38,7 +38,7 @@ class DraftWorker(ModelWorker):
         (``allocate`` as for ``TargetWorker``)."""
         if not model.draft:
             raise ValueError("a draft worker needs ModelConfig.draft")
-        super().__init__(model.draft, model, cache, window_of=model.target, allocate=allocate)
+        super().__init__(model.draft, model, cache, model.draft_max_model_len, allocate=allocate)
         own = self.runner.vocab_size
         # The target whose window bounds this draft's also bounds the ids it may propose.
         self.target_vocab = model_loader.load_config(model.target).vocab_size

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specray.workers import paged_attention
+from specray.workers.model_files import looks_local, resolve_model_path  # noqa: F401 - their home for callers
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -40,35 +41,6 @@ def resolve_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]
-
-
-# The built-in pair's folder names: a path ending in one is never a hub id.
-_BUILTIN = ("tiny-target", "tiny-draft")
-
-
-def looks_local(path: str) -> bool:
-    """Whether ``path`` can only mean a directory: it starts with ``.``, ``/`` or ``~``,
-    has more than one ``/`` (a hub id is ``owner/name`` or ``name``), its parent folder
-    exists here (``models/tiny-target`` beside a ``models/`` folder), or it names a model
-    of the built-in pair."""
-    if path.startswith((".", "/", "~", os.sep)) or path.count("/") > 1:
-        return True
-    parent = os.path.dirname(path)
-    return bool(parent) and os.path.isdir(parent) or os.path.basename(path.rstrip("/")) in _BUILTIN
-
-
-def resolve_model_path(path: str) -> str:
-    """The absolute directory of a local model (``~`` expanded), or a hub id unchanged.
-
-    Raises ValueError for a name that can only be a path and is not a directory."""
-    local = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(local):
-        return local
-    if looks_local(path):
-        name = os.path.basename(path.rstrip("/"))
-        hint = f"; specray.builtin_model({name!r}) gives the built-in model's path" if name in _BUILTIN else ""
-        raise ValueError(f"no such model directory: {local} (relative paths resolve from {os.getcwd()}){hint}")
-    return path
 
 
 def load_config(path: str):
@@ -142,7 +114,3 @@ def eos_token_ids(config) -> list[int]:
     if gen is None:
         return []
     return list(gen) if isinstance(gen, (list, tuple)) else [int(gen)]
-
-
-def max_model_len(config) -> int:
-    return int(getattr(config, "max_position_embeddings", None) or 2048)

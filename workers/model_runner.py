@@ -32,12 +32,11 @@ class ModelRunner:
     runners of one process together (``memory_budget.plan_blocks`` over their ``need``)
     and calls ``allocate`` on each."""
 
-    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None,
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window: int | None,
                  allocate: bool = True) -> None:
         """``path``: the checkpoint this runner loads (the target or the draft of ``model``);
-        ``window_of``: another checkpoint whose context window also bounds this one's (the
-        draft serves the target's sequences). Read here, so the driver can start workers
-        before it has loaded any config itself."""
+        ``window``: the longest sequence it serves, as the driver decided it
+        (``workers.model_files.settle_windows``): no plan may reach past it."""
         if model.torch_threads:
             torch.set_num_threads(model.torch_threads)      # the whole process's: its workers share it
         self.path = path
@@ -46,12 +45,9 @@ class ModelRunner:
         before = memory_budget.allocated(model_loader.resolve_device(model.device))
         self.model, self.config, self.device, self.dtype = model_loader.load_model(path, model.dtype, model.device)
         self.vocab_size = self.config.vocab_size
-        # The driver never plans past the smaller of its max_model_len and the models' own
-        # (the draft's scheduler window included), so neither may a plan.
-        windows = [model.max_model_len, model_loader.max_model_len(self.config)]
-        if window_of:
-            windows.append(model_loader.max_model_len(model_loader.load_config(window_of)))
-        self.max_model_len = min(w for w in windows if w)
+        if window is None:
+            raise ValueError(f"{path}: a worker is built with its window decided (workers.model_files.settle_windows)")
+        self.max_model_len = window
         self.native = self._select_executor(model.executor)
         if self.native is not None:
             # The native executor holds its own fused, transposed copies: drop the modules so
@@ -237,9 +233,9 @@ class ModelWorker:
 
     kind = "model"
 
-    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window_of: str | None = None,
+    def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window: int | None,
                  allocate: bool = True) -> None:
-        self.runner = ModelRunner(path, model, cache, window_of, allocate)
+        self.runner = ModelRunner(path, model, cache, window, allocate)
 
     def graph_stats(self) -> dict:
         return {"kind": self.kind, **self.runner.graph_stats()}

@@ -23,7 +23,7 @@ class TargetWorker(ModelWorker):
     def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
         (``ModelRunner``)."""
-        super().__init__(model.target, model, cache, allocate=allocate)
+        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate)
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:

@@ -105,10 +105,7 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
         block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
         policy_options=dict(s.variants[variant]) if variant else {}, layout=layout.removesuffix("-all-cores"),
-        torch_threads=threads if threads > 1 else 0, overlap=plus == "overlap",
-        # Channels reach worker actors; a co-located runtime has none.
-        compiled_graph=s.compiled_graph and not layout.startswith("colocated"),
-        **resources)
+        torch_threads=threads if threads > 1 else 0, overlap=plus == "overlap", **resources)
 
 
 ALL_CORES = "colocated-all-cores"
@@ -179,7 +176,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     spec_configs += [(p, f"adaptive:{name}", None) for p in proposers for name in s.variants]
     if "static" not in s.policies:
         spec_configs.append(("ngram", "static", None))     # the batch-1 prompt-lookup ratios read it
-    if s.draft and s.overlap and not layouts(s)[0].startswith("colocated") and not s.compiled_graph:
+    if s.draft and s.overlap and not layouts(s)[0].startswith("colocated"):
         spec_configs += [("draft", f"{pol}+overlap", None) for pol in s.policies]
     if s.draft:
         # The first draft policy in every other layout, side by side with the first layout's.
@@ -294,7 +291,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "efficiency": speedup / bound if s.draft else None, "greedy_outputs_equal": not check.mismatches,
         "mismatches": check.mismatches[:20], "max_tokens": s.max_tokens, "repeats": s.repeats,
         "rotate_prompts": s.rotate_prompts, "order_seed": order_seed, "static_ks": sorted(set(s.static_ks) - {s.k}),
-        "colocate": s.colocate, "layouts": layouts(s), "compiled_graph": s.compiled_graph,
+        "colocate": s.colocate, "layouts": layouts(s),
         "torch_threads": torch.get_num_threads(),
         "device": str(hf.device), "target": s.target, "draft": s.draft, "draft_label": draft_label,
         "prompt_set": s.prompt_set,

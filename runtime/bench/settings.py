@@ -33,7 +33,6 @@ class BenchSettings:
     # with ``colocate``, else "actors". "colocated" among several also brings
     # "colocated-all-cores": co-located with every core given to its one process.
     layouts: tuple[str, ...] = ()
-    compiled_graph: bool = False              # driver <-> worker steps over compiled graph channels
     # Each repeat's batch of b takes the next b held-out prompts, so batch 1 meets a new
     # text every repeat (see ``batch_prompts``).
     rotate_prompts: bool = False

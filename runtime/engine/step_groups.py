@@ -50,11 +50,11 @@ class Flight:
         return frozenset(s.seq_id for s in self.step.seqs)
 
 
-def wants_groups(config: RuntimeConfig, backend: str) -> bool:
+def wants_groups(config: RuntimeConfig) -> bool:
     """Whether this driver's engine keeps two groups in flight: where draft and target are
-    different processes (any backend but "local") and the draft model proposes alone."""
+    different processes (the actor layout) and the draft model proposes alone."""
     spec = config.speculation
-    return (backend != "local" and config.cluster.groups_in_flight == 2 and spec.proposer == "draft"
+    return (config.cluster.layout == "actors" and config.cluster.groups_in_flight == 2 and spec.proposer == "draft"
             and spec.num_speculative_tokens > 0)
 
 

@@ -57,7 +57,7 @@ def cmd_bench(args) -> int:
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
-                      compiled_graph=args.compiled_graph, rotate_prompts=args.rotate_prompts,
+                      rotate_prompts=args.rotate_prompts,
                       static_ks=tuple(int(x) for x in args.static_k.split(",") if x.strip()),
                       prompt_set=args.prompts, executor=args.executor, overlap=args.overlap,
                       layouts=tuple(x.strip() for x in args.layouts.split(",") if x.strip()))
@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face on the same models")
-    add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "colocate",
-                            "compiled_graph", "executor"))
+    add_model_args(b, only=("target", "draft", "num_speculative_tokens", "device", "dtype", "executor"))
+    b.add_argument("--colocate", action="store_true", help="specray's workers inside the driver's process "
+                   "(--layouts colocated)")
     b.add_argument("--layouts", default="",
                    help="comma-separated layouts (actors, colocated), side by side: every configuration runs in "
                         "the first, the draft in the others too (with colocated, also co-located on every core); "

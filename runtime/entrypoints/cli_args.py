@@ -82,6 +82,9 @@ def add_model_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = No
             add_field_arg(p, f, default=None, help=f.metadata["help"] + " (default: the built-in pair)")
         else:
             add_field_arg(p, f)
+        if f.name == "layout":
+            p.add_argument("--colocate", dest="layout", action="store_const", const="colocated",
+                           help="the same as --layout colocated")
     defaults = {f.name: f.default for f in dataclasses.fields(RuntimeConfig) if f.name in _TOP_HELP}
     for name, help_text in _TOP_HELP.items():
         if only is None or name in only:

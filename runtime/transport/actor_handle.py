@@ -1,10 +1,10 @@
-"""The driver's side of a worker actor, whichever kind: its restarts, its liveness, and
-its compiled-graph channel; and what every worker actor answers besides its step.
+"""The driver's side of a worker actor, whichever kind: its restarts, its liveness and its
+link; and what every worker actor answers besides its step.
 
 A worker actor is restarted by Ray when it dies (``max_restarts``); meanwhile ``wait``
 raises ``WorkerLost`` and ``alive`` watches, without blocking, for it to answer again.
-Step calls go as Ray actor calls, over a compiled graph's channel, or on the actor's own
-socket (``specray.runtime.transport.worker_link``).
+Step calls go on the actor's own
+socket (``specray.runtime.transport.worker_link``), or as Ray actor calls where it has none.
 Plans travel as msgpack bytes and are decoded without their cross-field checks: the
 workers' entry points run those for every caller, once.
 """
@@ -16,7 +16,6 @@ import os
 import threading
 import time
 
-from specray.runtime.compiled_channel import CompiledChannel
 from specray.runtime.transport.link_auth import LOOPBACK, link_hosts
 from specray.runtime.transport.worker_link import Link, LinkCall, LinkLost, LinkServer
 from specray.runtime.transport.worker_call import WorkerLost
@@ -97,25 +96,21 @@ def actor_options(resources: dict[str, float], gpu: bool) -> dict:
 
 class ActorHandle:
     """A worker actor. When it dies Ray restarts it (``max_restarts``); meanwhile
-    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer.
-    With ``compiled``, step calls go through a compiled graph's channel to
-    ``step_method``, rebuilt after each restart; classic calls if it cannot be built."""
+    ``wait`` raises WorkerLost and ``alive`` watches, without blocking, for it to answer."""
 
-    step_method = ""
     warm_up_args: tuple = ()
 
-    def __init__(self, actor, max_restarts: int, compiled: bool = False, link: bool = False) -> None:
+    def __init__(self, actor, max_restarts: int, link: bool = False) -> None:
         """``link``: step calls on the actor's own socket (``specray.runtime.transport.worker_link``)
-        where it can be reached, Ray calls otherwise; not with ``compiled``."""
+        where it can be reached, Ray calls otherwise."""
         self.actor = actor
         self.link: Link | None = None
-        self._link_wanted = link and not compiled and not ray_tls()
+        self._link_wanted = link and not ray_tls()
         self._link_failed = False
         self.max_restarts = max_restarts   # -1: Ray restarts it forever
         self.losses = 0
         self._ready = None        # a ready() call in flight while the actor is lost
         self._asked = 0.0
-        self.channel = CompiledChannel(getattr(actor, self.step_method)) if compiled else None
         # call id -> (call, deaths counted when it was sent): two calls in flight when the
         # actor dies (groups in flight) are one death.
         self._sent: dict[int, tuple] = {}
@@ -124,21 +119,6 @@ class ActorHandle:
         """``ref``, remembered with the deaths counted so far (see ``_get``)."""
         self._sent[id(ref)] = (ref, self.losses)
         return ref
-
-    @property
-    def _on_channel(self) -> bool:
-        return self.channel is not None and not self.channel.failed
-
-    def _execute(self, arg):
-        """A compiled-graph call (``_on_channel``), or None: the graph cannot be built,
-        use a classic call."""
-        try:
-            return self.channel.execute(arg)
-        except Exception as e:   # noqa: BLE001 - e.g. its graph closed by a death: ``wait`` sorts it out
-            return e
-
-    def compiled(self) -> bool:
-        return self.channel is not None and self.channel.live
 
     def linked(self) -> bool:
         """Whether its steps go on its link now."""
@@ -175,14 +155,12 @@ class ActorHandle:
             return e
 
     def warm_up(self) -> None:
-        """Build the graph (or open the link) and run an empty step through it: a fresh
-        graph's first execution may take seconds, which belong to startup, not to a request."""
-        if self.channel is not None or self._link_wanted:
+        """Open the link and run an empty step through it: startup pays for the
+        connection and the handshake, not a request's first step."""
+        if self._link_wanted:
             self.wait(self.submit(StepPlan(), *self.warm_up_args))
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
         if self.link is not None:
             self.link.close()
 
@@ -195,23 +173,20 @@ class ActorHandle:
             if isinstance(ref, LinkCall):
                 got = ref.result()
             else:
-                got = CompiledChannel.get(ref) if CompiledChannel.is_ref(ref) else ray.get(ref)
+                got = ray.get(ref)
             self._sent.pop(id(ref), None)
             return got
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.RayChannelError,
-                LinkLost) as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, LinkLost) as e:
             if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e.cause, StaleCacheError):
                 raise
             # A lost call or an empty restarted worker: either way one death (a worker
             # that is down gets no calls, and a call sent before a death already counted
-            # is that death). Its graph is closed with it; a new one is built once it
+            # is that death). Its link is closed with it; a new one opens once it
             # answers again.
             sent = self._sent.pop(id(ref), (None, self.losses))[1]
             if sent < self.losses:
                 raise WorkerLost(str(e)) from None
             self.losses += 1
-            if self.channel is not None:
-                self.channel.close()
             if self.link is not None:
                 self.link.close()
             self._ask()

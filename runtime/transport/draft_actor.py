@@ -31,10 +31,6 @@ class DraftActor(WorkerActor):
 
     @ray.method(num_returns=2)
     def propose_msg(self, data: bytes):
-        return self.propose_step(data)
-
-    def propose_step(self, data: bytes) -> tuple[bytes, object]:
-        """One return value, for a compiled graph's channel."""
         return self._locked_call("propose", data, None)
 
     @ray.method(num_returns=2)
@@ -59,16 +55,11 @@ RemoteDraftActor = ray.remote(DraftActor)
 
 
 class DraftHandle(ActorHandle):
-    step_method = "propose_step"
-
     def submit(self, plan):
         data = encode(plan)
         call = self._send("propose", data)
         if call is not None:
             return self._stamp(call)
-        ref = self._execute(data) if self._on_channel else None
-        if ref is not None:
-            return self._stamp(ref)
         ref, probs = self.actor.propose_msg.remote(data)
         return self._stamp(ref), probs
 
@@ -89,7 +80,7 @@ class DraftHandle(ActorHandle):
 
     def _answer(self, handle, cls):
         """A call's message as ``cls``, and its probabilities (a tensor, or the ref to hand on)."""
-        if not isinstance(handle, tuple):     # a channel's or a link's one value (or its error)
+        if not isinstance(handle, tuple):     # a link's call (or the error that stopped it)
             data, probs = self._get(handle)
             return decode(data, cls), probs
         ref, probs_ref = handle

@@ -25,11 +25,6 @@ class TargetActor(WorkerActor):
     def verify_msg(self, data: bytes, *draft_probs) -> bytes:
         return self._locked_call("verify", data, None, draft_probs)[0]
 
-    def verify_step(self, msg: tuple) -> bytes:
-        """``(plan bytes, [draft probabilities])`` as one argument, for a compiled graph."""
-        data, draft_probs = msg
-        return self.verify_msg(data, *draft_probs)
-
     def _call(self, op: str, data: bytes | None, arg, tensors=()):
         if op == "verify":
             return self.worker.verify(decode(data, StepPlan, validate=False), *tensors), None
@@ -40,7 +35,6 @@ RemoteTargetActor = ray.remote(TargetActor)
 
 
 class TargetHandle(ActorHandle):
-    step_method = "verify_step"
     warm_up_args = ([],)
 
     def submit(self, plan, probs):
@@ -49,11 +43,6 @@ class TargetHandle(ActorHandle):
             call = self._send("verify", data, tensors=probs_values(probs))
             if call is not None:
                 return self._stamp(call)
-        if self._on_channel:
-            # A draft on classic calls hands over ObjectRefs; a channel carries values.
-            ref = self._execute((data, probs_values(probs)))
-            if ref is not None:
-                return self._stamp(ref)
         # ObjectRefs as top-level arguments: Ray resolves them on the target's node.
         return self._stamp(self.actor.verify_msg.remote(data, *probs))
 

@@ -22,7 +22,6 @@ class WorkerCall(Protocol):
     def wait(self, handle: Any) -> Any: ...
     def alive(self) -> bool: ...
     def gone(self) -> bool: ...
-    def compiled(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -54,9 +53,6 @@ class LocalCall:
         return True
 
     def gone(self) -> bool:
-        return False
-
-    def compiled(self) -> bool:
         return False
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ number of blocks each. Workers go into one placement group, one
 bundle each, with the configured strategy (SPREAD by default: workers of one kind land on
 distinct nodes when the cluster has them; PACK co-locates; STRICT_SPREAD insists).
 Bundles must ask for something, so with no resources configured the actors are spread
-by Ray's SPREAD scheduling instead. In the actor layout (backend "hosted") the first target
+by Ray's SPREAD scheduling instead. In the actor layout the first target
 worker is not an actor: it loads in this process, the driver's actor, which asked Ray for
 the target's resources itself.
 """
@@ -79,20 +79,17 @@ class StartCancelled(Exception):
     """The start was called off (its driver refused the configuration) before it ended."""
 
 
-def start_workers(cfg: RuntimeConfig, backend: str,
-                  cancel: threading.Event | None = None) -> WorkerPool:
-    """``backend``: "ray" (every worker an actor), "hosted" (the first target worker in
-    this process, the rest actors: the actor layout) or "local" (all in this process).
-    ``cancel``: once set, a start still waiting for placement or for its workers to
+def start_workers(cfg: RuntimeConfig, cancel: threading.Event | None = None) -> WorkerPool:
+    """The workers of ``cfg``'s settled layout (``specray.runtime.layout.settle``):
+    "colocated", all in this process; "actors", the first target worker in this process
+    and the rest actors. ``cancel``: once set, a start still waiting for placement or for its workers to
     load stops, releases what it took and raises StartCancelled. Loading a large model
     takes minutes; a driver that has already refused the configuration (a draft with
     another vocabulary) should not make its user wait for it."""
     cancel = cancel or threading.Event()
-    if backend == "local":
+    if cfg.cluster.layout == "colocated":
         return _start_local(cfg, cancel)
-    if backend not in ("ray", "hosted"):
-        raise ValueError(f"backend must be 'ray', 'hosted' or 'local', got {backend!r}")
-    return _start_ray(cfg, cancel, hosted=backend == "hosted")
+    return _start_actors(cfg, cancel)
 
 
 def _check(cancel: threading.Event) -> None:
@@ -182,10 +179,10 @@ def worker_cache(cache: CacheConfig, gpu_part: float) -> CacheConfig:
     return replace(cache, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION * min(1.0, gpu_part))
 
 
-def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False) -> WorkerPool:
-    """``hosted``: the first target worker loads in this process (while the actors load
-    in theirs) and is called in place; the engine verifies its shard after sending the
-    other target workers theirs."""
+def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
+    """The actor layout: the first target worker loads in this process (while the actors
+    load in theirs) and is called in place; the engine verifies its shard after sending
+    the other target workers theirs."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -197,7 +194,7 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
-             for _ in range(cluster.num_target_workers - hosted)]
+             for _ in range(cluster.num_target_workers - 1)]
     if cfg.speculation.draft_model:
         kinds += [("draft", RemoteDraftActor, actor_options(cluster.draft_resources, gpu))
                   for _ in range(cluster.num_draft_workers)]
@@ -231,9 +228,9 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]
         d_refs = [a.num_blocks.remote() for a in drafts]
-        local = _host_target(cfg, gpu, cancel) if hosted else None
+        local = _host_target(cfg, gpu, cancel)
         _wait_all(t_refs + d_refs, cancel)      # the models load: what a refusal stops
-        t_blocks = ([local.num_blocks()] if local is not None else []) + ray.get(t_refs)
+        t_blocks = [local.num_blocks()] + ray.get(t_refs)
         d_blocks = ray.get(d_refs) if drafts else None
     except BaseException:
         for a in actors:
@@ -242,15 +239,14 @@ def _start_ray(cfg: RuntimeConfig, cancel: threading.Event, hosted: bool = False
             remove_placement_group(pg)
         raise
     restarts = cluster.max_worker_restarts
-    verifiers = [TargetHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in targets]
-    if local is not None:
-        verifiers.insert(0, LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs))))
-    remote_proposers = [DraftHandle(a, restarts, cluster.compiled_graph, link=cluster.worker_link) for a in drafts]
+    verifiers = [LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs)))]
+    verifiers += [TargetHandle(a, restarts, link=cluster.worker_link) for a in targets]
+    remote_proposers = [DraftHandle(a, restarts, link=cluster.worker_link) for a in drafts]
     pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
-                      local_workers=[local] if local is not None else [])
+                      local_workers=[local])
     pool.proposers += _host_proposers(cfg, pool)
-    if cluster.compiled_graph or cluster.worker_link:
-        # Channels are built and links opened now, not in a request's first step.
+    if cluster.worker_link:
+        # Links open now, not in a request's first step.
         try:
             for call in verifiers + remote_proposers:
                 if not getattr(call, "inline", False):

@@ -37,7 +37,7 @@ def chat_pair(tmp_path_factory):
 def rt(ray_module, chat_pair):
     t, d, _ = chat_pair
     runtime = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                        dtype="float32", max_model_len=64, colocate=True))
+                                        dtype="float32", max_model_len=64, layout="colocated"))
     yield runtime
     runtime.shutdown()
 
@@ -65,7 +65,7 @@ def test_chat_refuses_malformed_conversations_naming_them(rt):
 def test_a_tokenizer_without_a_template_is_a_clear_error(tmp_path, ray_module):
     t, d = make_pair(tmp_path, tokenizer=True)
     r = SpecRuntime(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32", max_model_len=64,
-                                  colocate=True))
+                                  layout="colocated"))
     try:
         with pytest.raises(ValueError, match="request 0: messages need a chat template, and the target's "
                                              "tokenizer has none"):

@@ -1,6 +1,6 @@
-"""The client handle through real Ray actors (steps over compiled graph channels; the
-other Ray tests use classic actor calls): generate, stream, metrics, bad input, connect
-by name, metrics on Ray's Prometheus endpoint, shutdown and restart."""
+"""The client handle through real Ray actors (the actor layout: the draft on an actor of
+its own, reached over its link): generate, stream, metrics, bad input, connect by name,
+metrics on Ray's Prometheus endpoint, shutdown and restart."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def rt(ray_module, llama_pair):
     t, d = llama_pair
     runtime = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4,
                                         device="cpu", dtype="float32", max_model_len=MAX_LEN, name="specray-test",
-                                        compiled_graph=True))
+                                        layout="actors"))
     yield runtime
     runtime.shutdown()
 
@@ -53,8 +53,8 @@ def test_generate_through_ray_equals_hf(rt, llama_pair):
         m["busy_s"] - m["draft_compute_s"] - m["verify_compute_s"], rel=1e-6)
 
 
-def test_compiled_graph_samples_equal_the_in_process_path(rt, llama_pair):
-    """The module's runtime steps over compiled graph channels (draft probabilities
+def test_samples_through_the_draft_actor_equal_the_in_process_path(rt, llama_pair):
+    """The module's draft runs on an actor reached over its link (draft probabilities
     travel by value): seeded samples equal an in-process driver's."""
     t, d = llama_pair
     ps = some_prompts()
@@ -62,7 +62,7 @@ def test_compiled_graph_samples_equal_the_in_process_path(rt, llama_pair):
     local, _ = run_local(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                        dtype="float32", max_model_len=MAX_LEN), ps, sampled)
     assert [o.token_ids for o in rt.generate(ps, sampled)] == [o.token_ids for o in local]
-    assert rt.metrics()["num_compiled_workers"] == 1     # the draft's; the target lives in the driver
+    assert rt.metrics()["num_linked_workers"] == 1     # the draft's; the target lives in the driver
 
 
 def test_stream_yields_increments_that_add_up(rt):
@@ -120,9 +120,9 @@ def test_connect_by_name(rt):
 
 def test_shutdown_then_a_second_runtime_starts_cleanly(ray_session, llama_pair):
     t, _ = llama_pair
-    for compiled in (False, True):   # the n-gram proposer runs in the driver, beside a compiled target
+    for layout in ("colocated", "actors"):   # the n-gram proposer runs in the driver, beside the target
         r = SpecRuntime(RuntimeConfig(target=t, proposer="ngram", block_size=4, device="cpu", dtype="float32",
-                                      compiled_graph=compiled))
+                                      layout=layout))
         (o,) = r.generate([[7, 8, 9, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0))
         assert len(o.token_ids) == 6
         r.shutdown()
@@ -156,6 +156,7 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
 
     from ray._private.state import actors
 
+    from specray.runtime.settled import settle
     from specray.runtime.transport.worker_pool import StartCancelled, start_workers
 
     def alive() -> list[str]:
@@ -163,14 +164,15 @@ def test_a_start_called_off_stops_waiting_and_releases_its_workers(ray_session, 
                       if a["State"] != "DEAD" and a["ActorClassName"] in ("DraftActor", "TargetActor"))
 
     t, d = llama_pair
-    cfg = RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
-                        target_resources={"no_such_resource": 1})
+    # The actor layout's second target worker is an actor; the first loads in this process.
+    cfg = settle(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32", layout="actors",
+                               num_target_workers=2, target_resources={"no_such_resource": 1}))
     before = alive()
     cancel, raised = threading.Event(), []
 
     def start():
         try:
-            start_workers(cfg, "ray", cancel)
+            start_workers(cfg, cancel)
         except BaseException as e:
             raised.append(e)
 
@@ -230,7 +232,7 @@ def test_generate_takes_more_prompts_than_max_pending(ray_session, llama_pair):
     before any part of it runs."""
     t, d = llama_pair
     r = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                  dtype="float32", max_model_len=MAX_LEN, max_pending=4, colocate=True))
+                                  dtype="float32", max_model_len=MAX_LEN, max_pending=4, layout="colocated"))
     try:
         ps = some_prompts(11)
         outs = r.generate(ps, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=True)

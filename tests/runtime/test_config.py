@@ -53,7 +53,6 @@ def test_whole_sections_and_flat_overrides():
     (dict(seed=-1), "seed"),
     (dict(proposer="none"), "draft must be None"),
     (dict(draft=None), "draft must be set"),
-    (dict(overlap=True, compiled_graph=True), "overlap=True needs actor calls"),
     (dict(worker_link="yes"), "worker_link"),
 ])
 def test_bad_fields_are_refused_naming_them(kw, field):
@@ -63,8 +62,8 @@ def test_bad_fields_are_refused_naming_them(kw, field):
 
 
 def test_what_is_in_force_is_what_the_config_says():
-    # No proposer: nothing proposed; overlap only with draft actors to run beside the verify.
+    # No proposer: nothing proposed; overlap only with the draft model (settled.py decides
+    # what follows from the layout; test_overlap checks it).
     assert RuntimeConfig(target="t", proposer="none").speculation.num_speculative_tokens == 0
     assert RuntimeConfig(target="t", draft="d", overlap=True).speculation.overlap
-    assert not RuntimeConfig(target="t", draft="d", overlap=True, colocate=True).speculation.overlap
     assert not RuntimeConfig(target="t", proposer="ngram", overlap=True).speculation.overlap

@@ -56,7 +56,7 @@ def test_suffix_decoding_learns_from_finished_requests_and_stays_exact(pair_and_
     t, d, expected = pair_and_reference
     cfg = RuntimeConfig(target=t, draft=d if "draft" in proposer else None, proposer=proposer,
                         num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32")
-    drv = DriverCore(cfg, backend="local")
+    drv = DriverCore(cfg.replace(layout="colocated"))
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0)] * len(prompts())
     try:
         first = drv.wait(drv.submit(prompts(), params).request_ids, timeout=600)

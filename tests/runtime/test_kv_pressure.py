@@ -44,7 +44,7 @@ def test_sequences_near_max_model_len_stop_with_length(llama_pair):
 
 def test_draft_shorter_window_turns_speculation_off(tmp_path):
     """Past the draft's max_position_embeddings a sequence decodes on the target alone
-    (the seed's split) and still equals plain greedy decoding."""
+    and still equals plain greedy decoding."""
     t, d = make_pair(tmp_path, "llama", max_len=128, draft_max_len=24)
     prompt = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=4, block_size=4, device="cpu", dtype="float32")
@@ -56,8 +56,8 @@ def test_draft_shorter_window_turns_speculation_off(tmp_path):
 
 def test_prompt_filling_max_model_len_is_rejected(llama_pair):
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
-                                   max_model_len=16), backend="local")
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, block_size=4, device="cpu", dtype="float32",
+                                   max_model_len=16))
     try:
         reply = drv.submit([[1] * 16], [SamplingParams()])
         assert reply.error and "max_model_len" in reply.error and "request 0" in reply.error
@@ -70,8 +70,8 @@ def test_prompt_filling_max_model_len_is_rejected(llama_pair):
 
 def test_request_larger_than_any_pool_is_refused_at_submit(llama_pair):
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32",
-                                   num_kv_blocks=8), backend="local")
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, block_size=4, device="cpu", dtype="float32",
+                                   num_kv_blocks=8))
     try:
         reply = drv.submit([[1, 2, 3], [1] * 20], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=20)])
         assert reply.error and reply.error.startswith("request 1:") and "max_tokens" in reply.error

@@ -124,7 +124,7 @@ def test_a_stop_token_cuts_the_logprobs_with_the_tokens(llama_pair, reference_mo
 
 
 def test_stream_deltas_carry_the_new_tokens_logprobs(llama_pair, reference_model):
-    drv = DriverCore(config(llama_pair, "draft"), backend="local")
+    drv = DriverCore(config(llama_pair, "draft").replace(layout="colocated"))
     p = prompts()[3]
     try:
         (rid,) = drv.submit([p], [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=2)]).request_ids

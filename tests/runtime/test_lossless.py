@@ -70,10 +70,10 @@ def exact_joint(model_dir: str, temperature: float, top_k: int = 0, depth: int =
     return joint
 
 
-def sample(cfg: RuntimeConfig, params: SamplingParams, count: int = N, backend: str = "local",
+def sample(cfg: RuntimeConfig, params: SamplingParams, count: int = N, layout: str = "colocated",
            prepare=lambda drv: None) -> tuple[list, dict]:
     """``count`` requests of PROMPT through a driver: their outputs and its metrics."""
-    drv = DriverCore(cfg, backend=backend, export_metrics=False)
+    drv = DriverCore(cfg.replace(layout=layout), export_metrics=False)
     try:
         prepare(drv)
         reply = drv.submit([PROMPT] * count, [params] * count)
@@ -196,7 +196,7 @@ def test_pre_drafted_windows_keep_the_target_distribution_through_actors(tiny_vo
     def always_predraft(drv):
         drv.engine.book.min_use = 0.0
 
-    outs, m = sample(cfg, SamplingParams(max_tokens=4, temperature=1.0), n, "ray", always_predraft)
+    outs, m = sample(cfg, SamplingParams(max_tokens=4, temperature=1.0), n, "actors", always_predraft)
     counts = Counter(tuple(o.token_ids[:3]) for o in outs)
     assert m["num_predraft_windows_used"] > n // 20
     assert chi2_pvalue(counts, exact_joint(target, 1.0, depth=3), n) > 1e-3

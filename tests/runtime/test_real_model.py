@@ -89,7 +89,7 @@ def test_streamed_japanese_equals_the_final_text(smollm2, hf, ray_module):
     ask = "Translate into Japanese: Good morning, how are you?"
     prompt = tok.apply_chat_template([{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True)
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    rt = SpecRuntime(config(smollm2, "ngram", colocate=True))
+    rt = SpecRuntime(config(smollm2, "ngram", layout="colocated"))
     try:
         deltas = list(rt.stream(prompt, params))
         (final,) = rt.generate([prompt], params)

@@ -56,7 +56,7 @@ def test_sampling_with_a_padded_draft_runs_and_is_seeded(padded_pair):
 def test_a_pair_whose_tokenizers_disagree_is_refused_naming_both(tmp_path):
     t, d = disagreeing_pair(tmp_path)
     with pytest.raises(ValueError) as e:
-        DriverCore(RuntimeConfig(target=t, draft=d, block_size=4, device="cpu", dtype="float32"), backend="local")
+        DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, block_size=4, device="cpu", dtype="float32"))
     msg = str(e.value)
     assert f"draft {d!r} (vocab_size 97, tokenizer" in msg and f"target {t!r} (vocab_size 97, tokenizer" in msg
     assert "do not share a tokenizer: 94 of the 97 shared token ids differ (id 3 is 'w3' to the target and 'v3'" in msg

@@ -79,7 +79,7 @@ def test_draft_and_suffix_side_by_side_keep_outputs_and_the_drafts_cache_exact(r
     suffix's proposal, only the draft's cached proposals that match what was emitted count."""
     from engine_harness import MIXED, add_requests, assert_matches_reference, build
 
-    eng = build(k=4, target_ranks=ranks, draft_ranks=ranks, target_max_len=64, target_blocks=40,
+    eng = build(k=4, target_ranks=ranks, draft_ranks=ranks, max_model_len=64, target_blocks=40,
                 suffix_wrong=lambda sid, pos: (sid + 2 * pos) % 5 == 0)
     verified = {"draft": 0, "suffix": 0, "either": 0}
     verify = eng.verify

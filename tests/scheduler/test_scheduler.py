@@ -133,7 +133,7 @@ KV_SPECS = [(i, 5 + (3 * i) % 16, 20 + (7 * i) % 11) for i in range(1, 11)]
 
 
 def run_kv(**kw) -> Harness:
-    eng = build(k=4, target_max_len=64, **kw)
+    eng = build(k=4, max_model_len=64, **kw)
     ref = add_requests(eng, KV_SPECS)
     eng.run()
     assert_matches_reference(eng, ref)
@@ -167,7 +167,7 @@ def test_tiny_pools_on_both_sides():
 
 @pytest.mark.parametrize("block_size,blocks", [(1, 64), (2, 33), (8, 9), (16, 5)])
 def test_exhaustion_across_block_sizes(block_size, blocks):
-    eng = build(k=3, target_max_len=64, block_size=block_size, target_blocks=blocks, draft_blocks=blocks)
+    eng = build(k=3, max_model_len=64, block_size=block_size, target_blocks=blocks, draft_blocks=blocks)
     ref = add_requests(eng, KV_SPECS)
     eng.run()
     assert_matches_reference(eng, ref)
@@ -175,7 +175,7 @@ def test_exhaustion_across_block_sizes(block_size, blocks):
 
 
 def test_preempted_sequences_requeue_oldest_first():
-    eng = build(k=2, target_max_len=64, target_blocks=18)
+    eng = build(k=2, max_model_len=64, target_blocks=18)
     ref = add_requests(eng, KV_SPECS)
     preempt_steps = 0
 
@@ -205,7 +205,7 @@ def test_preempted_sequences_requeue_oldest_first():
 
 
 def test_pool_too_small_for_one_request_raises():
-    eng = build(k=2, target_max_len=64, target_blocks=2)
+    eng = build(k=2, max_model_len=64, target_blocks=2)
     add_requests(eng, [(1, 9, 4)])
     with pytest.raises(RuntimeError, match="KV pool too small"):
         eng.sched.schedule()
@@ -223,15 +223,15 @@ def k_checker(eng: Harness):
             assert s.proposal_len == expected_limit(sched, k, n, s.remaining), (s.seq_id, n, s.remaining)
             assert s.proposal_len <= s.remaining - 1 or s.proposal_len == 0
             assert n + s.proposal_len + 1 <= sched.max_model_len
-            if s.proposal_len and sched.draft_max_len is not None:
-                assert n + s.proposal_len <= sched.draft_max_len
+            if s.proposal_len and sched.draft_max_model_len is not None:
+                assert n + s.proposal_len <= sched.draft_max_model_len
             seen.append((n, s.remaining, s.proposal_len))
     eng.on_plan = check
     return seen
 
 
 def test_proposal_length_rule_with_ample_pools():
-    eng = build(k=5, target_max_len=80)
+    eng = build(k=5, max_model_len=80)
     seen = k_checker(eng)
     ref = add_requests(eng, [(i, 1 + (5 * i) % 70, 1 + (13 * i) % 30) for i in range(1, 30)])
     eng.run()
@@ -267,7 +267,7 @@ def test_requests_with_speculation_off_propose_nothing_and_match(proposer):
 
 
 def test_draft_max_len_turns_speculation_off():
-    eng = build(k=4, target_max_len=64, draft_max_len=24)
+    eng = build(k=4, max_model_len=64, draft_max_model_len=24)
     eng.keep_steps = True
     seen = k_checker(eng)
     ref = add_requests(eng, [(1, 10, 40), (2, 3, 45), (3, 20, 30), (4, 23, 5), (5, 24, 5)])
@@ -284,7 +284,7 @@ def test_draft_max_len_turns_speculation_off():
 
 def test_target_max_len_caps_and_finishes_with_length():
     tml = 32
-    eng = build(k=4, target_max_len=tml)
+    eng = build(k=4, max_model_len=tml)
     seen = k_checker(eng)
     specs = [(1, 31, 100), (2, 30, 100), (3, 29, 100), (4, 27, 100), (5, 20, 100), (6, 1, 100)]
     ref = add_requests(eng, specs)
@@ -302,7 +302,7 @@ def test_target_max_len_caps_and_finishes_with_length():
 
 @pytest.mark.parametrize("plen", [32, 33, 100])
 def test_prompt_without_room_is_rejected(plen):
-    eng = build(k=4, target_max_len=32)
+    eng = build(k=4, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len"):
         eng.sched.add(make_seq(1, prompt_for(1, plen), 10))
     assert not eng.sched.has_work
@@ -436,7 +436,7 @@ def test_stop_token_wins_over_length_on_the_last_token():
 # -- (f) metrics -------------------------------------------------------------------------------
 
 def test_stats_match_independent_counts_and_design_definitions():
-    eng = build(k=4, target_max_len=64, target_blocks=20)
+    eng = build(k=4, max_model_len=64, target_blocks=20)
     ref = add_requests(eng, KV_SPECS, stop_ids=[5, 17])
     eng.run()
     assert_matches_reference(eng, ref)
@@ -515,7 +515,7 @@ def test_random_scenarios(scenario):
     need = -(-(tml - 1) // block_size)                    # one sequence at full length
     target_blocks = rng.choice([need, need + 1, need + rng.randrange(0, 3 * need), 10 * need])
     draft_blocks = rng.choice([None, 1, rng.randrange(1, 2 * need + 2), 10 * need])
-    eng = build(k=k, target_max_len=tml, draft_max_len=dml, block_size=block_size, target_blocks=target_blocks,
+    eng = build(k=k, max_model_len=tml, draft_max_model_len=dml, block_size=block_size, target_blocks=target_blocks,
                 draft_blocks=draft_blocks, max_num_seqs=rng.randrange(1, 8),
                 max_num_batched_tokens=rng.randrange(1, 120))
     wrong_mod = rng.randrange(1, 6)
@@ -592,7 +592,7 @@ def test_no_proposer_means_no_speculative_tokens():
     (10, 4, None, 3),      # the bonus token must fit in max_tokens
     (10, 1, None, 0),
     (58, 100, None, 4),    # 58 + 4 + 1 = 63 <= 64
-    (60, 100, None, 3),    # capped by target_max_len
+    (60, 100, None, 3),    # capped by max_model_len
     (62, 100, None, 1),
     (63, 100, None, 0),
     (20, 100, 24, 4),      # 20 + 4 = 24: the draft still sees every position
@@ -602,7 +602,7 @@ def test_no_proposer_means_no_speculative_tokens():
     (24, 2, 24, 0),
 ])
 def test_proposal_limit_table(n, remaining, dml, expect):
-    eng = build(k=4, target_max_len=64, draft_max_len=dml)
+    eng = build(k=4, max_model_len=64, draft_max_model_len=dml)
     seq = make_seq(1, prompt_for(1, n), remaining)
     assert eng.sched.proposal_limit(seq) == expect == expected_limit(eng.sched, 4, n, remaining)
 
@@ -625,7 +625,7 @@ def test_plans_carry_sampling_knobs_and_seeds():
 
 
 def test_abort_all_releases_everything():
-    eng = build(k=3, target_max_len=64, target_blocks=18)
+    eng = build(k=3, max_model_len=64, target_blocks=18)
     add_requests(eng, KV_SPECS)
     for _ in range(3):
         eng.step()
@@ -713,7 +713,7 @@ def test_several_ngram_proposers_without_draft_pools():
     (3, 2, 9, 9, 8),
 ])
 def test_several_workers_under_kv_pressure_preempt_and_still_match(T, D, tblocks, dblocks, bs):
-    eng = build(k=4, target_max_len=64, block_size=bs, target_ranks=T, draft_ranks=D,
+    eng = build(k=4, max_model_len=64, block_size=bs, target_ranks=T, draft_ranks=D,
                 target_blocks=tblocks, draft_blocks=dblocks)
     eng.probs = True
     ref = add_requests(eng, KV_MANY, stop_ids=[5])
@@ -726,7 +726,7 @@ def test_several_workers_under_kv_pressure_preempt_and_still_match(T, D, tblocks
 
 
 def test_running_sequences_never_change_rank_and_preempted_ones_may():
-    eng = build(k=3, target_max_len=64, target_ranks=3, draft_ranks=2, target_blocks=18, draft_blocks=12)
+    eng = build(k=3, max_model_len=64, target_ranks=3, draft_ranks=2, target_blocks=18, draft_blocks=12)
     seen: dict[int, list[tuple[int, int, int]]] = {}     # seq -> (step, target, draft) per step it ran
 
     def record(step):
@@ -781,19 +781,19 @@ def test_placement_follows_token_load_not_request_count():
 
 
 def test_placement_prefers_a_target_pool_the_request_fits_in():
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
     add_requests(eng, [(1, 20, 2)])       # 5 blocks: only rank 1 can hold it, though rank 0 is idle
     step = eng.sched.schedule()
     assert [s.target_rank for s in step.seqs] == [1] and step.target_plans[0] is None
     eng.sched.abort_all("test")
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=[3, 1000], draft_blocks=None)
     add_requests(eng, [(1, 8, 2)])        # 2 blocks: fits the least loaded rank 0
     assert [s.target_rank for s in eng.sched.schedule().seqs] == [0]
 
 
 def test_preemption_under_pressure_on_one_rank_takes_only_that_ranks_sequences():
     # rank 0 is tight (one sequence at full length needs 16 blocks), rank 1 is ample
-    eng = build(k=2, target_max_len=64, target_ranks=2, draft_ranks=2, target_blocks=[18, 1000])
+    eng = build(k=2, max_model_len=64, target_ranks=2, draft_ranks=2, target_blocks=[18, 1000])
     ref = add_requests(eng, KV_MANY)
     eng.run()        # the engine checks every step that each rank's victims are its newest sequences
     assert_matches_reference(eng, ref)
@@ -805,7 +805,7 @@ def test_preemption_under_pressure_on_one_rank_takes_only_that_ranks_sequences()
 
 def test_preemption_victim_is_the_newest_unscheduled_sequence_of_the_same_rank():
     # 4 blocks of 4 tokens per target rank; four 4-token requests, two per rank, all growing
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
     add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
     while not eng.preemptions:
         assert eng.step()
@@ -816,7 +816,7 @@ def test_preemption_victim_is_the_newest_unscheduled_sequence_of_the_same_rank()
 
 
 def test_frees_reach_the_ranks_that_held_the_sequence():
-    eng = build(k=2, target_max_len=128, target_ranks=3, draft_ranks=2)
+    eng = build(k=2, max_model_len=128, target_ranks=3, draft_ranks=2)
     eng.keep_steps = True
     finished_in: list[list[Sequence]] = []
 
@@ -884,7 +884,7 @@ def test_update_takes_none_for_a_plan_without_sequences():
 
 
 def test_frees_of_a_preempted_sequence_go_to_its_old_ranks():
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
     eng.keep_steps = True
     add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
     while not eng.preemptions:
@@ -914,14 +914,14 @@ def test_a_bad_result_fails_the_step_before_anything_is_applied():
 
 
 def test_pool_too_small_for_one_request_raises_with_several_ranks():
-    eng = build(k=2, target_max_len=64, target_ranks=2, target_blocks=2)
+    eng = build(k=2, max_model_len=64, target_ranks=2, target_blocks=2)
     add_requests(eng, [(1, 9, 4)])
     with pytest.raises(RuntimeError, match="KV pool too small"):
         eng.sched.schedule()
 
 
 def test_abort_all_frees_go_to_each_ranks_queue():
-    eng = build(k=3, target_max_len=64, target_ranks=2, draft_ranks=3, target_blocks=18)
+    eng = build(k=3, max_model_len=64, target_ranks=2, draft_ranks=3, target_blocks=18)
     add_requests(eng, KV_MANY)
     for _ in range(3):
         eng.step()
@@ -941,7 +941,7 @@ def test_abort_all_frees_go_to_each_ranks_queue():
 def random_engine(rng: random.Random, ks: list[int]):
     """A fake engine over 1-3 target and draft ranks with random limits, pool sizes (from
     one sequence's worth to plenty), draft errors, shard counts and probabilities.
-    Returns (engine, k, target_max_len)."""
+    Returns (engine, k, max_model_len)."""
     T, D = rng.randrange(1, 4), rng.randrange(1, 4)
     k = rng.choice(ks)
     block_size = rng.choice([1, 2, 4, 8])
@@ -950,7 +950,7 @@ def random_engine(rng: random.Random, ks: list[int]):
     need = -(-(tml - 1) // block_size)                    # one sequence at full length
     tblocks = [rng.choice([need, need + 1, need + rng.randrange(0, 2 * need), 10 * need]) for _ in range(T)]
     dblocks = rng.choice([None, [rng.choice([1, rng.randrange(1, 2 * need + 2), 10 * need]) for _ in range(D)]])
-    eng = build(k=k, target_max_len=tml, draft_max_len=dml, block_size=block_size, target_ranks=T, draft_ranks=D,
+    eng = build(k=k, max_model_len=tml, draft_max_model_len=dml, block_size=block_size, target_ranks=T, draft_ranks=D,
                 target_blocks=tblocks, draft_blocks=dblocks, max_num_seqs=rng.randrange(1, 10),
                 max_num_batched_tokens=rng.randrange(1, 150))
     wrong_mod = rng.randrange(1, 6)
@@ -1085,14 +1085,14 @@ def test_random_scenarios_with_worker_deaths(scenario):
 
 def test_self_preemption_on_a_small_pool_moves_to_a_pool_that_fits():
     # rank 0 holds 8 slots, rank 1 plenty: the request starts on the idle rank 0 (it fits) and outgrows it
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=[2, 1000], draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=[2, 1000], draft_blocks=None)
     ref = add_requests(eng, [(1, 5, 20)])
     eng.run()
     assert_matches_reference(eng, ref)
 
 
 def test_preempted_sequences_of_several_ranks_requeue_oldest_first():
-    eng = build(k=0, target_max_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
+    eng = build(k=0, max_model_len=64, target_ranks=2, target_blocks=4, draft_blocks=None)
     add_requests(eng, [(1, 4, 30), (2, 4, 30), (3, 4, 30), (4, 4, 30)])
     while not eng.preemptions:
         eng.step()
@@ -1160,3 +1160,22 @@ def test_predraft_reserves_the_next_windows_draft_slots_where_they_fit(draft_blo
     assert step.target_plans[0].num_slots == [10 + 3, 8 + 3]
     assert [len(draft.block_table(i)) * 4 >= n for i, n in zip((1, 2), want)] == [True, True]
     draft.check_integrity()
+
+
+def test_every_target_worker_dead_for_good_fails_the_step_at_once():
+    """Every target worker dead more often than Ray restarts it (``WorkerCall.gone``): the
+    engine says so at the next step, without waiting out ``target_down_timeout_s``; while
+    one may come back it waits instead."""
+    eng = build(target_ranks=2)
+    add_requests(eng, [(1, 5, 30), (2, 6, 30)])
+    assert eng.step()
+    for r in range(2):
+        eng.kill_target(r)
+        eng.back_at[("target", r)] = 10**9          # not back within this test
+    eng.engine.target_down_timeout_s = 3600
+    assert eng.step()                 # the calls fail: both ranks are down, their sequences requeued
+    assert eng.sched.targets_down == {0, 1} and len(eng.sched.waiting) == 2
+    assert not eng.step()             # down, not gone: it waits for one to come back
+    eng.gone_for_good |= {("target", 0), ("target", 1)}
+    with pytest.raises(RuntimeError, match="every target worker is dead"):
+        eng.engine.step()

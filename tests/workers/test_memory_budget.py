@@ -89,9 +89,11 @@ def test_workers_of_one_process_are_sized_together(llama_pair, monkeypatch):
 
     monkeypatch.setattr(memory_budget, "plan_blocks", plan)
     t, d = llama_pair
-    cfg = RuntimeConfig(target=t, draft=d, device="cpu", dtype="float32", block_size=4, colocate=True,
+    cfg = RuntimeConfig(target=t, draft=d, device="cpu", dtype="float32", block_size=4, layout="colocated",
                         target_resources={"GPU": 0.5})
-    pool = worker_pool.start_workers(cfg, "local")
+    from specray.runtime.settled import settle
+
+    pool = worker_pool.start_workers(settle(cfg))
     try:
         (needs, share), = seen
         assert share == pytest.approx(0.45)

@@ -145,8 +145,8 @@ def test_the_runtime_serves_through_bucketed_steps(llama_pair, monkeypatch):
 
     monkeypatch.setattr(StepGraphs, "shape", spy)
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32"), backend="local")
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32"))
     prompts = [[5, 6, 7], [8, 9, 10, 11], [3] * 9]
     try:
         out = drv.wait(drv.submit(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 3).request_ids,

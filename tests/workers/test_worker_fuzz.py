@@ -29,6 +29,7 @@ from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.workers.config import ModelConfig
+from specray.workers.model_files import settle_windows
 from specray.workers.draft_worker import DraftWorker
 from specray.workers.errors import PlanError, StaleCacheError
 from specray.workers.target_worker import TargetWorker
@@ -76,7 +77,8 @@ def paths(tiny_model, tmp_path_factory):
 
 
 def make_workers(paths):
-    model = ModelConfig(target=paths[1], draft=paths[0], dtype="float32", device="cpu", max_model_len=MAX_LEN)
+    model = settle_windows(ModelConfig(target=paths[1], draft=paths[0], dtype="float32", device="cpu",
+                                       max_model_len=MAX_LEN))
     cache = CacheConfig(block_size=BLOCK, num_kv_blocks=WORKER_BLOCKS, max_num_seqs=MAX_SEQS)
     return DraftWorker(model, cache), TargetWorker(model, cache)
 
@@ -89,7 +91,7 @@ def prompts():
 def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
     """The real engine's step loop over in-process workers, every message through the codec."""
     sched = Scheduler(CacheConfig(block_size=BLOCK, max_num_seqs=MAX_SEQS), SpeculationConfig(num_speculative_tokens=K),
-                      MAX_LEN, BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK), draft_max_len=128)
+                      MAX_LEN, BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK), draft_max_model_len=128)
 
     def propose(plan):
         props, probs = draft.propose(decode(encode(plan), StepPlan))

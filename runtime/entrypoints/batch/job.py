@@ -46,7 +46,7 @@ from specray.runtime.entrypoints.cli_args import add_model_args, runtime_config,
 from specray.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from specray.runtime.driver.core import DriverInfo
+    from specray.runtime.driver.replies import DriverInfo
 
 PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 LINE_FIELDS = ("prompt", "messages", "id") + PARAM_FIELDS
@@ -148,7 +148,7 @@ def check_against(info: DriverInfo, item: Item) -> str | None:
 def generate_chunk(rt, items: list[Item], reject: Callable[[int, str], None]) -> list[tuple[Item, object]]:
     """Generate for ``items``. The runtime admits a call whole or not at all and names its
     first bad request: drop that line, report it, and resubmit the rest."""
-    from specray.runtime.driver.core import REQUEST_ERROR, Overloaded
+    from specray.runtime.driver.replies import REQUEST_ERROR, Overloaded
 
     pending = list(items)
     backoff = 0.05

@@ -27,8 +27,8 @@ class BrokenExporter:
 
 def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                   dtype="float32"), backend="local")
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32"))
     drv._exporter = exporter = BrokenExporter()
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     try:
@@ -48,14 +48,13 @@ def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
 def test_num_speculative_tokens_must_fit_the_window(llama_pair):
     t, d = llama_pair
     with pytest.raises(ValueError, match="num_speculative_tokens 40 must be below max_model_len 32"):
-        DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=40, max_model_len=32, device="cpu"),
-                   backend="local")
+        DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=40, max_model_len=32, device="cpu"))
 
 
 def _local(llama_pair, **kw):
     t, d = llama_pair
-    return DriverCore(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
-                                    dtype="float32", **kw), backend="local")
+    return DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                    dtype="float32", **kw))
 
 
 def test_abort_frees_blocks_before_the_next_step_and_others_decode_on(llama_pair):
@@ -200,9 +199,8 @@ def test_limits_are_checked_before_a_prompt_is_tokenized():
 
     from specray.runtime.model_store import builtin_model
 
-    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
-                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2),
-                     backend="local", export_metrics=False)
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2), export_metrics=False)
     gate = threading.Event()
     verify = drv.engine.verifiers[0].submit
     drv.engine.verifiers[0].submit = lambda plan, *a: (gate.wait(60), verify(plan, *a))[1]   # no step ends
@@ -237,8 +235,8 @@ def test_stop_strings_are_matched_without_holding_the_drivers_lock():
 
     from specray.runtime.model_store import builtin_model
 
-    drv = DriverCore(RuntimeConfig(target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
-                                   device="cpu", dtype="float32", max_model_len=128), backend="local",
+    drv = DriverCore(RuntimeConfig(layout="colocated", target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=128),
                      export_metrics=False)
     searching, release = threading.Event(), threading.Event()
     decode = drv._decode

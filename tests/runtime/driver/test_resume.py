@@ -78,7 +78,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def driver(cfg):
-    drv = DriverCore(cfg, backend="local")
+    drv = DriverCore(cfg.replace(layout="colocated"))
     yield drv
     drv.shutdown()
 
@@ -121,7 +121,7 @@ def test_a_sampled_stream_cut_at_a_step_resumes_on_a_new_driver_exactly(cfg, dri
     cut, _ = stream(driver, "def fibonacci(n):", same_seed, upto=10)
     t = tracked("def fibonacci(n):", params, seed, cut)
     prompt, p, resume = t.resubmission()
-    fresh = DriverCore(cfg, backend="local")         # the restarted driver
+    fresh = DriverCore(cfg.replace(layout="colocated"))         # the restarted driver
     try:
         rest, _ = stream(fresh, prompt, p, resume)
     finally:

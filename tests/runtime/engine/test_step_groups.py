@@ -33,7 +33,7 @@ def grouped(drv: DriverCore) -> GroupEngine:
 
 
 def run(cfg: RuntimeConfig, params, groups: bool, prepare=lambda drv: None):
-    drv = DriverCore(cfg, backend="local", export_metrics=False)
+    drv = DriverCore(cfg.replace(layout="colocated"), export_metrics=False)
     try:
         if groups:
             grouped(drv)
@@ -134,7 +134,7 @@ def test_a_group_failing_for_one_request_fails_it_alone(llama_pair, worker):
     params = [SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=i) for i in range(len(PROMPTS))]
     want, _ = run(cfg, params, groups=False)
     bad = 4
-    drv = DriverCore(cfg, backend="local", export_metrics=False)
+    drv = DriverCore(cfg.replace(layout="colocated"), export_metrics=False)
     try:
         engine = grouped(drv)
         raised = break_steps_of((engine.proposers if worker == "draft" else engine.verifiers)[0])

@@ -234,8 +234,8 @@ def test_ctrl_c_releases_every_actor_and_placement_group(ray_head, llama_pair, t
         inp.write_text("".join(json.dumps({"prompt": [1 + i % 90, 2, 3]}) + "\n" for i in range(20000)))
         args = ["batch", "--target", t, "--draft", d, *flags, "--input", str(inp),
                 "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "64", "--no-progress"]
-    else:   # the built-in pair (a text prompt needs its tokenizer), over compiled graphs
-        args = ["generate", "def main():", *flags, "--max-tokens", "2000", "--compiled-graph"]
+    else:   # the built-in pair (a text prompt needs its tokenizer)
+        args = ["generate", "def main():", *flags, "--max-tokens", "2000"]
     # As from a terminal: Ctrl-C's default handling, whatever this test process inherited (a
     # shell starting a job in the background without job control has it ignore SIGINT, and
     # children inherit that; Python then leaves it ignored).
@@ -286,9 +286,6 @@ def test_bench_layouts_run_side_by_side():
     assert cfg.cluster.layout == "colocated" and cfg.model.torch_threads == (cores if cores > 1 else 0)
     assert runtime_config(s, "draft", "static+overlap", None).speculation.overlap
     assert runtime_config(s, "draft", "static", None).cluster.layout == "actors"
-    compiled = BenchSettings(target="t", draft="d", layouts=("actors", "colocated"), compiled_graph=True)
-    assert runtime_config(compiled, "draft", "static", None).cluster.compiled_graph
-    assert not runtime_config(compiled, "draft", "static@colocated", None).cluster.compiled_graph
     assert layouts(BenchSettings(target="t", draft="d")) == ["actors"]
     assert layouts(BenchSettings(target="t", draft="d", colocate=True)) == ["colocated"]
     with pytest.raises(SystemExit):

@@ -32,7 +32,7 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
     t, d = llama_pair
     cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=2, block_size=4, device="cpu", dtype="float32",
                         num_draft_workers=2, num_target_workers=2)
-    drv = DriverCore(cfg, backend="local")
+    drv = DriverCore(cfg.replace(layout="colocated"))
     try:
         seen: dict[int, tuple[int, int]] = {}
         orig_update = drv.scheduler.update
@@ -65,7 +65,7 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, m
 
     seen = []
 
-    def start_workers(cfg, backend, cancel):
+    def start_workers(cfg, cancel):
         # A model that takes long to load: only being called off ends this start.
         seen.append(cancel.wait(timeout=120))
         raise StartCancelled("called off")
@@ -73,6 +73,5 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, m
     monkeypatch.setattr(specray.runtime.driver.core, "start_workers", start_workers)
     t, other_draft = disagreeing_pair(tmp_path)
     with pytest.raises(ValueError, match="do not share a tokenizer"):
-        DriverCore(RuntimeConfig(target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"),
-                   backend="local")
+        DriverCore(RuntimeConfig(layout="colocated", target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"))
     assert seen == [True]

@@ -28,7 +28,7 @@ def cheap_draft_cost() -> StepCostModel:
 
 
 def run_spying(cfg, prompts, max_tokens, cost=None):
-    drv = DriverCore(cfg, backend="local")
+    drv = DriverCore(cfg.replace(layout="colocated"))
     if cost is not None:
         drv.scheduler.policy.cost = cost
     ks_per_step: list[list[int]] = []

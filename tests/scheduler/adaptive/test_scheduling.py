@@ -98,7 +98,7 @@ def test_the_cost_model_is_fed_every_steps_phases():
 
 
 def test_adaptive_outputs_equal_plain_greedy_decoding_under_kv_pressure():
-    eng = adaptive(target_max_len=64, target_blocks=24, draft_blocks=20)
+    eng = adaptive(max_model_len=64, target_blocks=24, draft_blocks=20)
     ref = add_requests(eng, MIXED)
     eng.run()
     assert_matches_reference(eng, ref)

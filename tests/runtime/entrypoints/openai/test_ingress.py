@@ -38,7 +38,7 @@ class DeadDriver:
     async def _poll(self, ids, timeout):
         self.polls += 1
         if self.polls == 1:
-            from specray.runtime.driver.core import PollReply
+            from specray.runtime.driver.replies import PollReply
 
             return PollReply(deltas=[RequestOutput(ids[0], [1, 2], [5], "a")])
         raise rex.RayActorError()
@@ -90,7 +90,7 @@ def test_a_driver_lost_mid_stream_sends_an_error_chunk_then_done(monkeypatch):
 def test_a_client_that_goes_away_aborts_its_requests():
     class Slow(DeadDriver):
         async def _poll(self, ids, timeout):
-            from specray.runtime.driver.core import PollReply
+            from specray.runtime.driver.replies import PollReply
 
             self.polls += 1
             await asyncio.sleep(0.01)
@@ -157,7 +157,7 @@ class RestartingDriver(DeadDriver):
         return "info"
 
     async def _submit(self, prompts, params, resumes=None):
-        from specray.runtime.driver.core import SubmitReply
+        from specray.runtime.driver.replies import SubmitReply
 
         self.resumed.append(resumes)
         ids = [f"new{i}" for i in range(len(prompts))]
@@ -166,7 +166,7 @@ class RestartingDriver(DeadDriver):
         return SubmitReply(ids, seeds=[p.seed for p in params])
 
     async def _poll(self, ids, timeout):
-        from specray.runtime.driver.core import PollReply
+        from specray.runtime.driver.replies import PollReply
 
         await asyncio.sleep(0.001)          # a call to Ray suspends the pump
         self.polls += 1
@@ -252,12 +252,12 @@ class FailingDriver(DeadDriver):
         self.submit = Remote(self._submit)
 
     async def _submit(self, prompts, params, resumes=None):
-        from specray.runtime.driver.core import SubmitReply
+        from specray.runtime.driver.replies import SubmitReply
 
         return SubmitReply([f"r{i}" for i in range(len(prompts))], seeds=[1] * len(prompts))
 
     async def _poll(self, ids, timeout):
-        from specray.runtime.driver.core import PollReply
+        from specray.runtime.driver.replies import PollReply
 
         await asyncio.sleep(0.001)
         return PollReply(errors={i: self.DETAIL for i in ids})
