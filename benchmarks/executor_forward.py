@@ -27,13 +27,13 @@ import statistics
 import time
 
 
-
 def main() -> int:
     import torch
 
     from specray.runtime.entrypoints.cli_args import builtin_model
-    from specray.scheduler.messages import StepPlan
+    from specray.scheduler.block_manager import blocks_needed
     from specray.scheduler.config import CacheConfig
+    from specray.scheduler.messages import StepPlan
     from specray.workers.config import ModelConfig
     from specray.workers.model_runner import ModelRunner
 
@@ -70,9 +70,10 @@ def main() -> int:
         # across the batch, as they do in serving.
         ctx = [args.context + (5 * i) % 11 for i in range(b)]
         window = args.context + 64
-        blocks = b * -(-(window + 1) // 16) + 8
+        blocks = b * blocks_needed(window + 1, 16) + 8
         runners = {ex: ModelRunner(args.model, ModelConfig(target=args.model, dtype=args.dtype, device=args.device,
-                                                           executor=ex if ex in ("native", "transformers") else "native",
+                                                           executor=ex if ex in ("native", "transformers")
+                                                           else "native",
                                                            cuda_graphs=ex == "graphs", max_model_len=window,
                                                            cuda_graph_query_lens=(1, 5)),
                                    CacheConfig(max_num_seqs=b, num_kv_blocks=blocks), window)
@@ -101,7 +102,7 @@ def main() -> int:
         for name, q in (("decode", 1), ("verify", 5)):
             times = {ex: [] for ex in runners}
             gdiff = 0.0
-            for rep in range(args.repeats):
+            for _ in range(args.repeats):
                 # Fresh ids every repeat: a graph replaying stale inputs would differ from eager.
                 toks = torch.randint(0, vocab, (b * q,), generator=g).tolist()
                 outs = {}

@@ -52,8 +52,8 @@ class Progress:
 
 
 def prompts_and_window(n: int, tokens: int) -> tuple[list[list[int]], int]:
-    from specray.runtime.entrypoints.cli_args import builtin_model
     from specray.runtime.bench.stdlib_corpus import held_out_prompts
+    from specray.runtime.entrypoints.cli_args import builtin_model
     from specray.workers.model_loader import load_tokenizer
 
     tok = load_tokenizer(builtin_model("tiny-target"))

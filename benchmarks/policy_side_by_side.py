@@ -35,7 +35,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -59,9 +58,9 @@ def main() -> None:
     from specray.runtime.bench.hf_runner import random_copy
     from specray.runtime.bench.run import batch_prompts, rotated
     from specray.runtime.bench.stats import within_repeats
+    from specray.runtime.bench.stdlib_corpus import held_out_prompts
     from specray.runtime.config import RuntimeConfig
     from specray.runtime.driver.core import DriverCore
-    from specray.runtime.bench.stdlib_corpus import held_out_prompts
     from specray.scheduler.adaptive import AdaptivePolicy
     from specray.scheduler.config import SpeculationConfig
     from specray.scheduler.sampling_params import SamplingParams

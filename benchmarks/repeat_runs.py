@@ -74,7 +74,8 @@ def run_ratios(result: dict) -> dict[str, float]:
         overlap = runs.get(("specray", "draft", b, "greedy", "static+overlap"))
         put(f"b{b} draft+overlap / draft", overlap, first)
         for lay in ("colocated", "colocated-all-cores"):
-            put(f"b{b} draft+overlap / draft@{lay}", overlap, runs.get(("specray", "draft", b, "greedy", f"static@{lay}")))
+            other = runs.get(("specray", "draft", b, "greedy", f"static@{lay}"))
+            put(f"b{b} draft+overlap / draft@{lay}", overlap, other)
     # Suffix decoding against plain decoding, prompt lookup and the draft alone (static k).
     for b in batches:
         static = {p: runs.get(("specray", p, b, "greedy", "static")) for p in ("suffix", "draft+suffix", "ngram",

@@ -146,12 +146,12 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import ray
+    from transformers import AutoTokenizer
 
     from specray import RuntimeConfig, SpecRuntime
     from specray.runtime.bench.prompts import bench_prompts
     from specray.runtime.entrypoints.openai.ingress import start_http, stop_http
     from specray.runtime.model_store import builtin_model
-    from transformers import AutoTokenizer
 
     load = [os.getloadavg()]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

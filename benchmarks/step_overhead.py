@@ -7,7 +7,8 @@ Layouts: co-located (driver, draft and target in one actor), single node (the ac
 layout: the driver's actor hosting the target, a draft actor beside it, on one node) with
 two groups in flight (the default), one group, the draft reached over Ray actor calls
 instead of its link; two target workers (data parallel: one
-hosted, one an actor), over links or Ray calls; and multi-node (a ray.cluster_utils.Cluster with the draft and the target on
+hosted, one an actor), over links or Ray calls; and multi-node (a ray.cluster_utils.Cluster with the draft and the
+target on
 their own nodes, both ways). Each reports, per step and batch size: wall time, the draft
 and verify workers' own compute, messaging (the rest of those calls: the hops), and the
 driver's own overhead (scheduling, merge, update), medians over the repeats.
@@ -50,8 +51,8 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from specray.runtime.entrypoints.cli_args import builtin_model
     from specray.runtime.bench.stdlib_corpus import held_out_prompts
+    from specray.runtime.entrypoints.cli_args import builtin_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=builtin_model("tiny-target"))
@@ -59,7 +60,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1")
-    ap.add_argument("--layouts", default=",".join(SINGLE + MULTI), help="comma-separated, of: " + ", ".join(SINGLE + MULTI))
+    ap.add_argument("--layouts", default=",".join(SINGLE + MULTI),
+                    help="comma-separated, of: " + ", ".join(SINGLE + MULTI))
     ap.add_argument("-k", type=int, default=4)
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -7,19 +7,20 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Iterator, Sequence as Seq
+from typing import Iterator
+from typing import Sequence as Seq
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from specray.runtime import layout, ray_env
 from specray.runtime.chat import ChatPrompt, check_messages
 from specray.runtime.config import ClusterConfig, RuntimeConfig
 from specray.runtime.driver.actor import RemoteDriver
 from specray.runtime.driver.replies import REQUEST_ERROR, DriverInfo, Overloaded, SubmitReply, request_error
 from specray.runtime.driver.restarts import DriverGone, actor_errors, wait_for_driver
-from specray.runtime import layout, ray_env
-from specray.runtime.request_output import RequestOutput
 from specray.runtime.driver.resume import InFlight, WaitReply
+from specray.runtime.request_output import RequestOutput
 from specray.scheduler.sampling_params import SamplingParams
 
 _POLL_S = 1.0

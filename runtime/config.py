@@ -22,8 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from specray.scheduler.config import (CacheConfig, SpeculationConfig, check_bool, check_choice, check_int,
-                                      check_number)
+from specray.scheduler.config import CacheConfig, SpeculationConfig, check_bool, check_choice, check_int, check_number
 from specray.workers.config import ModelConfig
 
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")

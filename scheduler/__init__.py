@@ -4,7 +4,11 @@ Glossary: one name per quantity, from the configuration to the workers (and
 ``docs/architecture.md``).
 
 - ``num_speculative_tokens``: the most tokens a sequence proposes in a step (the user's
-  setting, ``SpeculationConfig``; 0 with ``proposer="none"``). Written k in formulas.
+  setting, ``SpeculationConfig``; 0 with ``proposer="none"``). Written k in formulas, and
+  ``k`` names nothing else.
+- ``max_model_len``, ``draft_max_model_len``: the windows in force, the target's and the
+  draft model's (``specray.runtime.settled`` decides both once; past the draft's window a
+  sequence decodes without proposals).
 - ``proposal_limit``: the most one sequence may propose this step, by its limits: its
   remaining ``max_tokens``, both models' windows, ``num_speculative_tokens``, its draft
   worker being up, its request not decoding plainly (``SamplingParams.speculation``;
@@ -14,10 +18,16 @@ Glossary: one name per quantity, from the configuration to the workers (and
   (``Sequence.proposal_len``, ``StepPlan.proposal_lens``).
 - ``width``: a step's longest ``proposal_len``; proposals and draft probabilities travel
   as ``[n, width]`` grids (``StepPlan.width``).
-- lookahead: the KV slots a step reserves past a sequence's tokens for its proposals
-  (``proposal_len`` on the target, one fewer on the draft: ``BlockManager``).
+- ``num_lookahead``: the KV slots a step reserves past a sequence's tokens for its
+  proposals (``proposal_len`` on the target, one fewer on the draft, more for a
+  pre-draft): ``BlockManager.allocate_slots(seq_id, num_tokens, num_lookahead)``;
+  ``blocks_needed(num_slots, block_size)`` is the one rounding up to blocks.
 - ``num_computed``: tokens already in a worker's KV cache for a sequence
   (``Sequence.target_computed`` / ``draft_computed``); a step feeds ``tokens[num_computed:]``.
+- ``step_len``: a sequence's length when its step was planned (``Sequence.step_len``):
+  the position of its first scored row, so ``target_computed = step_len + accepted``.
+- ``num_written``: a worker's count of a sequence's slots its last step wrote (fed tokens
+  and lookahead); a plan's ``num_computed`` may never pass it (``KVCache``).
 - a verdict (``Verdict``), per sequence and step: ``proposed`` (proposals verified, at
   most its ``proposal_len``: a proposer may find fewer), ``accepted`` (the longest prefix
   of them the target keeps) and the emitted ``tokens``: the accepted ones, then the
@@ -28,7 +38,7 @@ Glossary: one name per quantity, from the configuration to the workers (and
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.merge import merge_proposals
-from specray.scheduler.messages import PROTOCOL_VERSION, ProtocolError, Proposals, StepPlan, StepResult, decode, encode
+from specray.scheduler.messages import PROTOCOL_VERSION, Proposals, ProtocolError, StepPlan, StepResult, decode, encode
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus

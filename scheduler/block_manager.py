@@ -13,12 +13,18 @@ slots a step reserves past a sequence's tokens for its proposals)::
     slots:        0..3  4..7  8  9 10 11
                   KV    KV    KV la la  (free)
 
-``allocate_slots(seq, 11)`` makes the sequence hold exactly the 3 blocks 11 slots need.
-After the target accepts one of the two lookahead tokens, ``allocate_slots(seq, 10)``
-keeps ceil(10 / 4) = 3 blocks; stale slots past 10 are simply overwritten by the next step.
+``allocate_slots(seq, 9, num_lookahead=2)`` makes the sequence hold exactly the 3 blocks
+11 slots need. After the target accepts one of the two lookahead tokens,
+``allocate_slots(seq, 10)`` keeps ``blocks_needed(10, 4)`` = 3 blocks; stale slots past 10
+are simply overwritten by the next step.
 """
 
 from __future__ import annotations
+
+
+def blocks_needed(num_slots: int, block_size: int) -> int:
+    """Blocks that hold ``num_slots`` slots: the one place the rounding up is written."""
+    return -(-num_slots // block_size)
 
 
 class BlockManager:
@@ -43,7 +49,7 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_slots: int) -> int:
-        return -(-num_slots // self.block_size)
+        return blocks_needed(num_slots, self.block_size)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
@@ -51,20 +57,21 @@ class BlockManager:
     def has(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
-    def can_allocate_slots(self, seq_id: int, num_slots: int) -> bool:
-        """Whether ``allocate_slots(seq_id, num_slots)`` would succeed (shrinking always does)."""
-        return self.blocks_needed(num_slots) - len(self._tables.get(seq_id, ())) <= len(self._free)
+    def can_allocate_slots(self, seq_id: int, num_tokens: int, num_lookahead: int = 0) -> bool:
+        """Whether ``allocate_slots`` with these arguments would succeed (shrinking always does)."""
+        want = self.blocks_needed(num_tokens + num_lookahead)
+        return want - len(self._tables.get(seq_id, ())) <= len(self._free)
 
     # -- operations ----------------------------------------------------------------
-    def allocate_slots(self, seq_id: int, num_slots: int) -> bool:
-        """Make the sequence hold exactly the blocks ``num_slots`` slots need: blocks past
-        them go back to the pool, missing ones are taken from it. All or nothing: returns
-        False (and changes nothing) when the pool cannot hold them; the caller preempts or
-        waits."""
-        if num_slots < 0:
-            raise ValueError(f"negative slot count: {num_slots}")
+    def allocate_slots(self, seq_id: int, num_tokens: int, num_lookahead: int = 0) -> bool:
+        """Make the sequence hold exactly the blocks its ``num_tokens`` tokens and
+        ``num_lookahead`` lookahead slots need (vLLM's signature): blocks past them go back
+        to the pool, missing ones are taken from it. All or nothing: returns False (and
+        changes nothing) when the pool cannot hold them; the caller preempts or waits."""
+        if num_tokens < 0 or num_lookahead < 0:
+            raise ValueError(f"negative slot count: {num_tokens} tokens, {num_lookahead} lookahead")
         table = self._tables.get(seq_id)
-        want = self.blocks_needed(num_slots)
+        want = self.blocks_needed(num_tokens + num_lookahead)
         have = len(table) if table is not None else 0
         if want - have > len(self._free):
             return False

@@ -26,7 +26,7 @@ import msgpack
 
 from specray.scheduler.sampling_params import MAX_LOGPROBS
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -84,7 +84,8 @@ class StepPlan:
         n = len(self.seq_ids)
         for name in ("num_computed", "num_new", "num_slots", "proposal_lens",
                      "temperature", "top_k", "top_p", "seeds"):
-            _expect(len(getattr(self, name)) == n, f"StepPlan.{name} has {len(getattr(self, name))} entries for {n} sequences")
+            _expect(len(getattr(self, name)) == n,
+                    f"StepPlan.{name} has {len(getattr(self, name))} entries for {n} sequences")
         _expect(self.width >= 0, f"StepPlan.width must be >= 0, got {self.width}")
         _expect(sum(self.num_new) == len(self.token_ids),
                 f"StepPlan.token_ids has {len(self.token_ids)} tokens, num_new sums to {sum(self.num_new)}")
@@ -148,7 +149,7 @@ class Proposals:
 
 @dataclass
 class StepResult:
-    """What the target verified and emitted this step, per sequence: ``num_proposed[i]``
+    """What the target verified and emitted this step, per sequence: ``proposed[i]``
     proposals verified, ``num_emitted[i]`` = accepted + 1 tokens emitted, back to back in
     ``token_ids``.
 
@@ -161,7 +162,7 @@ class StepResult:
     step_id: int = _scalar(int, 0)
     compute_s: float = _scalar(float, 0.0)   # the worker's own time on the call
     seq_ids: list[int] = _packed("q")
-    num_proposed: list[int] = _packed("i")
+    proposed: list[int] = _packed("i")
     num_emitted: list[int] = _packed("i")
     token_ids: list[int] = _packed("i")
     num_top: list[int] = _packed("i")
@@ -171,14 +172,15 @@ class StepResult:
 
     def validate(self) -> None:
         _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")
-        _expect(len(self.num_proposed) == len(self.seq_ids), "StepResult.num_proposed does not match seq_ids")
+        _expect(len(self.proposed) == len(self.seq_ids), "StepResult.proposed does not match seq_ids")
         _expect(all(x >= 1 for x in self.num_emitted), "StepResult.num_emitted must be >= 1")
-        _expect(all(1 <= e <= p + 1 for p, e in zip(self.num_proposed, self.num_emitted)),
-                "StepResult.num_emitted must be in [1, num_proposed + 1]")
+        _expect(all(1 <= e <= p + 1 for p, e in zip(self.proposed, self.num_emitted)),
+                "StepResult.num_emitted must be in [1, proposed + 1]")
         _expect(sum(self.num_emitted) == len(self.token_ids), "StepResult.token_ids does not match num_emitted")
         _expect(0.0 <= self.compute_s < float("inf"), "StepResult.compute_s must be finite and >= 0")
         _expect(len(self.num_top) in (0, len(self.seq_ids)), "StepResult.num_top does not match seq_ids")
-        _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.num_top), f"StepResult.num_top must be in [-1, {MAX_LOGPROBS}]")
+        _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.num_top),
+                f"StepResult.num_top must be in [-1, {MAX_LOGPROBS}]")
         tokens = sum(e for e, x in zip(self.num_emitted, self.num_top) if x >= 0)
         top = sum(e * x for e, x in zip(self.num_emitted, self.num_top) if x >= 0)
         _expect(len(self.logprobs) == tokens,
@@ -196,7 +198,7 @@ class Predraft:
     """Windows a draft worker drafted ahead, while the target verified the window it had
     just proposed: one branch per likely outcome of that verification. Branch ``b`` is for
     sequence ``seq_ids[b]`` and holds if the sequence's next draft plan has
-    ``num_computed == base[b]`` and feeds exactly its ``fed_lens[b]`` tokens of
+    ``num_computed == num_computed[b]`` and feeds exactly its ``fed_lens[b]`` tokens of
     ``fed_token_ids`` (the accepted proposals' tail and a guess of the target's next token);
     its ``proposal_lens[b]`` proposals are then the ones the draft would make there
     (``token_ids``: ``[B, width]`` flattened, -1 padded). When ``has_probs``, the draft
@@ -207,7 +209,7 @@ class Predraft:
     has_probs: bool = _scalar(bool, False)
     compute_s: float = _scalar(float, 0.0)
     seq_ids: list[int] = _packed("q")
-    base: list[int] = _packed("i")
+    num_computed: list[int] = _packed("i")
     fed_lens: list[int] = _packed("i")
     fed_token_ids: list[int] = _packed("i")
     proposal_lens: list[int] = _packed("i")
@@ -220,11 +222,11 @@ class Predraft:
     def validate(self) -> None:
         b = len(self.seq_ids)
         _expect(self.width >= 0, f"Predraft.width must be >= 0, got {self.width}")
-        for name in ("base", "fed_lens", "proposal_lens"):
+        for name in ("num_computed", "fed_lens", "proposal_lens"):
             _expect(len(getattr(self, name)) == b, f"Predraft.{name} has {len(getattr(self, name))} entries for {b}")
         _expect(all(x >= 1 for x in self.fed_lens), "Predraft.fed_lens must be >= 1")
         _expect(sum(self.fed_lens) == len(self.fed_token_ids), "Predraft.fed_token_ids does not match fed_lens")
-        _expect(all(x >= 0 for x in self.base), "Predraft.base is negative")
+        _expect(all(x >= 0 for x in self.num_computed), "Predraft.num_computed is negative")
         _expect(all(0 <= x <= self.width for x in self.proposal_lens), "Predraft.proposal_lens outside [0, width]")
         _expect(len(self.token_ids) == b * self.width, f"Predraft.token_ids has {len(self.token_ids)} entries, "
                                                        f"expected {b * self.width}")

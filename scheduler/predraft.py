@@ -25,7 +25,7 @@ def branches(plan: StepPlan, pre: Predraft) -> list[int | None]:
     by_key: dict[tuple, int] = {}
     for b, sid in enumerate(pre.seq_ids):
         fed = tuple(pre.fed_token_ids[offsets[b]:offsets[b] + pre.fed_lens[b]])
-        by_key.setdefault((sid, pre.base[b], fed), b)
+        by_key.setdefault((sid, pre.num_computed[b], fed), b)
     out: list[int | None] = []
     pos = 0
     for i, sid in enumerate(plan.seq_ids):

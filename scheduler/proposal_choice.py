@@ -47,9 +47,9 @@ class DraftRecord:
     def rate(self) -> float:
         return self.counts.rate(self.prior, self.prior_weight)
 
-    def expected(self, num_proposed: int) -> float:
-        """Tokens of ``num_proposed`` draft proposals expected to be accepted."""
-        return self.expected_upto(num_proposed)[num_proposed]
+    def expected(self, proposal_len: int) -> float:
+        """Tokens of ``proposal_len`` draft proposals expected to be accepted."""
+        return self.expected_upto(proposal_len)[proposal_len]
 
     def expected_upto(self, longest: int) -> list[float]:
         """``expected(n)`` for n = 0..longest, computed once (a step asks it of every

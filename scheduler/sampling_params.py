@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 GREEDY_BELOW = 1e-5
 # Past this, dividing float32 logits by the temperature flattens every gap a model makes
 # to nothing (and near float32's range it is inf, and -inf / inf is NaN): the bound keeps

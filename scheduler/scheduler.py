@@ -109,28 +109,30 @@ class Scheduler:
         """Reserve slots for one step; returns the proposal_len that fits (draft shortfalls
         lower it to 0, which needs no draft slots) or None when the target cannot hold
         even the fed tokens."""
-        n, k = seq.num_tokens, proposal_len
+        num_tokens, sid = seq.num_tokens, seq.seq_id
         target = self.target_pools[seq.target_rank]
         draft = self._draft_pool(seq)
         # The draft writes each proposal but the last; the target every proposal.
-        if k > 0 and draft is not None and not draft.can_allocate_slots(seq.seq_id, n + k - 1):
-            k = 0
-        if not target.allocate_slots(seq.seq_id, n + k):
-            if k == 0 or not target.allocate_slots(seq.seq_id, n):
+        if proposal_len > 0 and draft is not None and not draft.can_allocate_slots(sid, num_tokens, proposal_len - 1):
+            proposal_len = 0
+        if not target.allocate_slots(sid, num_tokens, proposal_len):
+            if proposal_len == 0 or not target.allocate_slots(sid, num_tokens):
                 return None
-            k = 0
-        if k > 0 and draft is not None:
-            slots = n + k - 1
-            # Overlap: also a pre-draft of the next window (k + 1 past its own: the last
-            # proposal, the guess of the target's token and k - 1 passes), where it fits.
-            ahead = n + 2 * k
-            if (self.speculation.overlap and (self.draft_max_model_len is None or ahead <= self.draft_max_model_len)
-                    and draft.allocate_slots(seq.seq_id, ahead)):
-                slots = ahead
+            proposal_len = 0
+        if proposal_len > 0 and draft is not None:
+            lookahead = proposal_len - 1
+            # Overlap: also a pre-draft of the next window (proposal_len + 1 past its own:
+            # the last proposal, the guess of the target's token and proposal_len - 1
+            # passes), where it fits.
+            ahead = 2 * proposal_len
+            if (self.speculation.overlap
+                    and (self.draft_max_model_len is None or num_tokens + ahead <= self.draft_max_model_len)
+                    and draft.allocate_slots(sid, num_tokens, ahead)):
+                lookahead = ahead
             else:
-                draft.allocate_slots(seq.seq_id, slots)
-            self._draft_slots[seq.seq_id] = slots
-        return k
+                draft.allocate_slots(sid, num_tokens, lookahead)
+            self._draft_slots[sid] = num_tokens + lookahead
+        return proposal_len
 
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         """``counted``: a preemption in the stats (not a failed step's requeue)."""
@@ -180,7 +182,7 @@ class Scheduler:
                           batch_size=self._reachable_batch())
         decision = self.policy.decide(view)
         if len(decision.proposal_lens) != len(running) or any(
-                not 0 <= k <= limit for k, limit in zip(decision.proposal_lens, view.proposal_limits)):
+                not 0 <= n <= limit for n, limit in zip(decision.proposal_lens, view.proposal_limits)):
             raise ValueError(f"policy decided proposal_lens {decision.proposal_lens} for limits "
                              f"{view.proposal_limits}")
         return decision
@@ -219,12 +221,12 @@ class Scheduler:
         if max_seqs is not None:
             free, cap = free[:max_seqs], min(cap, max_seqs)
         decision = self._decide(free)
-        planned = dict(zip((s.seq_id for s in free), decision.proposal_lens))
+        proposal_lens = dict(zip((s.seq_id for s in free), decision.proposal_lens))
         queue = list(free)
         while queue:
             seq = queue.pop(0)
-            k = self._reserve(seq, planned[seq.seq_id])
-            while k is None:
+            proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+            while proposal_len is None:
                 same_pool = [s for s in queue if s.target_rank == seq.target_rank]
                 victim = same_pool[-1] if same_pool else seq
                 if victim is not seq:
@@ -233,9 +235,9 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                k = self._reserve(seq, planned[seq.seq_id])
-            if k is not None:
-                batch.append((seq, k))
+                proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+            if proposal_len is not None:
+                batch.append((seq, proposal_len))
 
         budget = self.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
         t_load = [0] * len(self.target_pools)
@@ -256,15 +258,15 @@ class Scheduler:
             self._place(seq, t_load, d_load)
             if seq.target_rank in self.targets_down:
                 break   # every target worker is down: wait for one to come back
-            k = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
-            if k is None:
+            proposal_len = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
+            if proposal_len is None:
                 break
             admit.popleft()
             if admit is not self.waiting:
                 self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.append((seq, k))
+            batch.append((seq, proposal_len))
             budget -= cost
 
         if not batch:
@@ -286,23 +288,24 @@ class Scheduler:
         # Every plan of a step shares one width (proposals and draft probabilities are
         # [n, width] grids): the longest proposal_len this step, not num_speculative_tokens.
         # A step where nobody proposes then scores one row per sequence, as plain decoding
-        # does, instead of k + 1.
-        width = max((k for _, k in batch), default=0)
-        for seq, k in batch:
-            seq.step_len = n = seq.num_tokens
-            seq.proposal_len = k
+        # does, instead of num_speculative_tokens + 1.
+        width = max((proposal_len for _, proposal_len in batch), default=0)
+        for seq, proposal_len in batch:
+            seq.step_len = seq.num_tokens
+            seq.proposal_len = proposal_len
             t = seq.target_rank
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
-            _add_seq(t_plans[t], seq, seq.target_computed, n + k, k)
+            _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len)
             t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
-            if k:
+            if proposal_len:
                 d = seq.draft_rank
                 if d_plans[d] is None:
                     d_plans[d] = StepPlan(step_id=sid, width=width)
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
-                _add_seq(d_plans[d], seq, seq.draft_computed, self._draft_slots.pop(seq.seq_id, n + k - 1), k)
+                slots = self._draft_slots.pop(seq.seq_id, seq.step_len + proposal_len - 1)
+                _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len)
                 d_seqs[d].append(seq)
         for plan in t_plans:
             # Nobody asked: the plan says so with no entries, and the worker computes nothing.

@@ -61,7 +61,7 @@ def verdicts(plan: StepPlan, result: StepResult) -> list[Verdict]:
     given = result.num_top or [-1] * plan.num_seqs
     out, pos, lp, top = [], 0, 0, 0
     for i, sid in enumerate(plan.seq_ids):
-        proposed, emitted = result.num_proposed[i], result.num_emitted[i]
+        proposed, emitted = result.proposed[i], result.num_emitted[i]
         if proposed > plan.proposal_lens[i]:
             raise ValueError(f"sequence {sid} verified {proposed} proposals, {plan.proposal_lens[i]} were sent")
         # Fewer alternatives than asked only where the vocabulary is smaller than that.

@@ -37,7 +37,13 @@ import torch.nn.functional as F
 
 # The split lives with the benchmark's prompt source, which must agree with it.
 from specray.runtime.bench.stdlib_corpus import (  # noqa: F401 (re-exported for callers and tests)
-    EVAL_EVERY, SKIP_DIRS, SKIP_FILE_PREFIXES, default_stdlib_dir, list_source_files, split_files)
+    EVAL_EVERY,
+    SKIP_DIRS,
+    SKIP_FILE_PREFIXES,
+    default_stdlib_dir,
+    list_source_files,
+    split_files,
+)
 
 # --------------------------------------------------------------------------
 # Constants

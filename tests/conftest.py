@@ -8,7 +8,6 @@ import sys
 import tempfile
 
 import pytest
-
 from specray_testing import free_port, make_pair, make_plan, stop_ray_head
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,7 +106,7 @@ def ray_head():
         except Exception:
             if proc.poll() is not None or time.time() > deadline:
                 stop_ray_head(proc, tmp)
-                raise RuntimeError(f"ray head did not start; see {log.name}")
+                raise RuntimeError(f"ray head did not start; see {log.name}") from None
             time.sleep(1)
     client_env = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
     yield f"127.0.0.1:{port}", url, client_env

@@ -377,7 +377,7 @@ class Harness:
         # a running sequence is kept (same place, same ranks) or preempted (its KV dropped
         # everywhere, its preemption counted); a preempted one may only come back as a newcomer
         preempted = [(s, t, d) for s, t, d, np in before_running if s.num_preemptions > np]
-        for s, t, d, np in before_running:
+        for s, _, _, np in before_running:
             assert s.num_preemptions in (np, np + 1)
             assert s.num_preemptions > np or s in step.seqs, f"seq {s.seq_id} left the batch unpreempted"
         kept_ids = {s.seq_id for s, _, _, np in before_running if s.num_preemptions == np}
@@ -492,7 +492,8 @@ class Harness:
                 if ("draft", d) not in self.dead:
                     pairs.append((mirror, self.drafts[d], on_draft[d], self._frees_d[d]))
             for d, worker in enumerate(self.drafts[:sched.num_draft_ranks]):
-                assert set(worker.cache) <= on_draft[d] | self._frees_d[d], f"{worker.name} holds another rank's sequence"
+                assert set(worker.cache) <= on_draft[d] | self._frees_d[d], \
+                    f"{worker.name} holds another rank's sequence"
         for mirror, worker, owners, owed in pairs:
             assert set(mirror._tables) <= owners, "a sequence holds blocks on a rank it does not run on"
             assert set(worker.cache) <= owners | owed, f"{worker.name} holds a sequence it was told to free"
@@ -586,7 +587,7 @@ class Harness:
             self.counts.accepted += len(out) - 1
             self.counts.emitted += len(out)
         self.counts.seq_steps += plan.num_seqs
-        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_proposed=num_proposed,
+        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=num_proposed,
                             num_emitted=num_emitted, token_ids=token_ids, num_top=logprobs.num_top,
                             logprobs=logprobs.logprobs, top_ids=logprobs.top_ids,
                             top_logprobs=logprobs.top_logprobs)

@@ -72,7 +72,8 @@ def make_pair(out_dir: Path, arch: str = "llama", vocab: int = 97, hidden: int =
             target.lm_head.weight[dv:].mul_(0.2)
     dcfg.vocab_size = dv
     draft = model_cls(dcfg)
-    sd = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    sd = {k: v for k, v in target.state_dict().items()
+          if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         w = sd[name]
         if dv < vocab:

@@ -10,7 +10,6 @@ import sys
 import tempfile
 
 import pytest
-
 from specray_testing import ROOT
 
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
+from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import Predraft, Proposals, StepPlan
 from specray.scheduler.predraft import window
-from specray.scheduler.config import CacheConfig
 from specray.workers import model_loader
 from specray.workers.config import ModelConfig
 from specray.workers.model_runner import ModelWorker
@@ -84,23 +84,26 @@ class DraftWorker(ModelWorker):
         if not rows:
             return Predraft(step_id=step_id), None
         r = self.runner
-        m = [plan.proposal_lens[i] for i in rows]
-        base = [plan.num_computed[i] + plan.num_new[i] + mi - 1 for i, mi in zip(rows, m)]
-        tail = [props.token_ids[i * props.width + mi - 1] for i, mi in zip(rows, m)]
+        proposal_lens = [plan.proposal_lens[i] for i in rows]
+        # Each branch holds where the draft has cached all of the window but its last
+        # proposal, which the pre-draft's first pass feeds.
+        num_computed = [plan.num_computed[i] + plan.num_new[i] + p - 1 for i, p in zip(rows, proposal_lens)]
+        tail = [props.token_ids[i * props.width + p - 1] for i, p in zip(rows, proposal_lens)]
         sids = [plan.seq_ids[i] for i in rows]
         # The last proposal, never run through the draft, gives the guess of the bonus token.
-        guess = r.forward(sids, base, [1] * len(rows), r.to_device(tail),
+        guess = r.forward(sids, num_computed, [1] * len(rows), r.to_device(tail),
                           torch.arange(len(rows), device=r.device))[:, :self.scored].argmax(dim=-1).tolist()
-        for sid, b in zip(sids, base):
-            r.kv.written[sid] = max(r.kv.written.get(sid, 0), b + 1)    # the last proposal's K/V
-        ahead = StepPlan(step_id=step_id, width=max(m), seq_ids=sids, num_computed=[b + 1 for b in base],
+        for sid, c in zip(sids, num_computed):
+            r.kv.num_written[sid] = max(r.kv.num_written.get(sid, 0), c + 1)    # the last proposal's K/V
+        ahead = StepPlan(step_id=step_id, width=max(proposal_lens), seq_ids=sids,
+                         num_computed=[c + 1 for c in num_computed],
                          num_new=[1] * len(rows), token_ids=guess, num_slots=[plan.num_slots[i] for i in rows],
-                         proposal_lens=m, temperature=[plan.temperature[i] for i in rows],
+                         proposal_lens=proposal_lens, temperature=[plan.temperature[i] for i in rows],
                          top_k=[plan.top_k[i] for i in rows], top_p=[plan.top_p[i] for i in rows],
                          seeds=[plan.seeds[i] for i in rows])
         got, probs = self._propose(ahead)
         pre = Predraft(step_id=step_id, width=got.width, has_probs=got.has_probs, compute_s=time.perf_counter() - t0,
-                       seq_ids=sids, base=base, fed_lens=[2] * len(rows),
+                       seq_ids=sids, num_computed=num_computed, fed_lens=[2] * len(rows),
                        fed_token_ids=[t for pair in zip(tail, guess) for t in pair],
                        proposal_lens=list(got.proposal_lens), token_ids=list(got.token_ids))
         self._pre = pre

@@ -24,7 +24,7 @@ class KVCache:
         # Tokens whose K/V each sequence may hold (fed plus lookahead written by its last
         # step). Slot counts alone are rounded up to blocks and include reserved slots never
         # written, so they cannot tell a driver bug from a real cache hit.
-        self.written: dict[int, int] = {}
+        self.num_written: dict[int, int] = {}
         # One block past the pool's: a scratch block no sequence owns, where the padding
         # rows of a bucketed (CUDA graph) step write.
         self.scratch_block = num_blocks
@@ -41,7 +41,7 @@ class KVCache:
         bm = self.blocks
         for sid in plan.free_seq_ids:
             bm.free(sid)
-            self.written.pop(sid, None)
+            self.num_written.pop(sid, None)
         # Every shrink before any growth: the check counted the pool as a whole, so the
         # order of sequences in the plan cannot make an allocation fail half-way.
         pairs = list(zip(plan.seq_ids, plan.num_slots))
@@ -52,7 +52,7 @@ class KVCache:
             if not bm.allocate_slots(sid, slots):
                 raise AssertionError(f"sequence {sid}: allocation failed after the pool check")
         for i, sid in enumerate(plan.seq_ids):
-            self.written[sid] = plan.num_computed[i] + plan.num_new[i] + (lookahead[i] if lookahead else 0)
+            self.num_written[sid] = plan.num_computed[i] + plan.num_new[i] + (lookahead[i] if lookahead else 0)
 
     def _check(self, plan: StepPlan, lookahead: list[int] | None) -> None:
         bm = self.blocks
@@ -68,8 +68,8 @@ class KVCache:
                                     f"and cannot have {computed} cached tokens")
                 raise StaleCacheError(f"sequence {sid}: the driver counts {computed} cached tokens, "
                                       f"this worker holds {held * self.block_size} slots (restarted?)")
-            if computed > self.written.get(sid, 0):
-                raise PlanError(f"StepPlan.num_computed[{i}]: sequence {sid} has {self.written.get(sid, 0)} "
+            if computed > self.num_written.get(sid, 0):
+                raise PlanError(f"StepPlan.num_computed[{i}]: sequence {sid} has {self.num_written.get(sid, 0)} "
                                 f"tokens written, the plan counts {computed} cached")
             if new < 1:
                 # Each sequence's next-token logits come from its last fed token.

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from specray.scheduler.block_manager import blocks_needed
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan
 from specray.workers import graph_capture, host_copy, llama_model, memory_budget, model_loader, step_graphs
@@ -57,7 +58,7 @@ class ModelRunner:
         self.query_lens = tuple(model.cuda_graph_query_lens) or (1,)
         self.wants_graphs = self.native is not None and model.cuda_graphs and step_graphs.available(self.device)
         layers, kvh, head_dim = kv_shape(self.config)
-        useful = cache.max_num_seqs * -(-(self.max_model_len + 1) // cache.block_size)
+        useful = cache.max_num_seqs * blocks_needed(self.max_model_len + 1, cache.block_size)
         sized = self.device.type == "cuda" and not cache.num_kv_blocks
         activations, graph_pool = self.profile_reserve() if sized else (0, 0)
         self.need = memory_budget.MemoryNeed(
@@ -118,7 +119,7 @@ class ModelRunner:
 
         def prefill():
             ends = torch.tensor(lens).cumsum(0) - 1
-            self._eager(tmp.layers, [[0] * -(-n // bs) for n in lens], [0] * len(lens), lens,
+            self._eager(tmp.layers, [[0] * blocks_needed(n, bs) for n in lens], [0] * len(lens), lens,
                         torch.zeros(sum(lens), dtype=torch.long, device=dev), ends.to(dev))
 
         q = max(self.query_lens, default=1)
@@ -126,7 +127,7 @@ class ModelRunner:
         n = self.max_num_seqs
 
         def verify():
-            self._eager(tmp.layers, [[0] * -(-(ctx + q) // bs)] * n, [ctx] * n, [q] * n,
+            self._eager(tmp.layers, [[0] * blocks_needed(ctx + q, bs)] * n, [ctx] * n, [q] * n,
                         torch.zeros(n * q, dtype=torch.long, device=dev), torch.arange(n * q, device=dev))
 
         activations = max(memory_budget.peak_bytes(dev, prefill), memory_budget.peak_bytes(dev, verify))

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from specray.scheduler.block_manager import blocks_needed
 from specray.workers.host_copy import to_device
 
 ATTENTION_NAME = "specray_paged"
@@ -109,7 +110,7 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
     """Host-side construction of one forward's metadata; returns it and positions [T]."""
     n = len(num_new)
     qmax = max(num_new)
-    width = -(-max(c + q for c, q in zip(num_computed, num_new)) // block_size)
+    width = blocks_needed(max(c + q for c, q in zip(num_computed, num_new)), block_size)
     ragged = min(num_new) != qmax
     # Per-token lists only through range/list concatenation (C speed), then one host
     # tensor and one copy to the device.

@@ -32,10 +32,10 @@ def greedy_accept(target_argmax: list[int], proposal_ids: list[int], proposal_le
     target's token at the first mismatch, or the bonus token when all match."""
     w1 = width + 1
     emitted = []
-    for i, m in enumerate(proposal_lens):
-        target = target_argmax[i * w1:i * w1 + m + 1]
+    for i, proposal_len in enumerate(proposal_lens):
+        target = target_argmax[i * w1:i * w1 + proposal_len + 1]
         j = 0
-        while j < m and proposal_ids[i * width + j] == target[j]:
+        while j < proposal_len and proposal_ids[i * width + j] == target[j]:
             j += 1
         emitted.append(target[:j + 1])
     return emitted

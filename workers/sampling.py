@@ -44,14 +44,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list
                     top_p: list[float] | None = None) -> torch.Tensor:
     """Temperature, then top-k, then top-p (over the top-k survivors), then softmax.
 
-    logits: [m, V]; temperature: [m] (rows at 0 are treated as 1: greedy rows never use
+    logits: [rows, V]; temperature: [rows] (rows at 0 are treated as 1: greedy rows never use
     these probabilities); top_k / top_p: per row on the host (0 / 1.0 = off), so the
-    sort is skipped when no row filters. Returns float32 [m, V].
+    sort is skipped when no row filters. Returns float32 [rows, V].
     """
     logits = logits.float()
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits)
     logits = logits / t.unsqueeze(-1)
-    need_k = top_k is not None and any(k > 0 for k in top_k)
+    need_k = top_k is not None and any(x > 0 for x in top_k)
     need_p = top_p is not None and any(p < 1.0 for p in top_p)
     if need_k or need_p:
         logits = _filter_top_k_top_p(logits, top_k if need_k else None, top_p if need_p else None)
@@ -59,14 +59,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: list
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int] | None, top_p: list[float] | None) -> torch.Tensor:
-    m, vocab = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True)          # [m, V]
-    ranks = torch.arange(vocab, device=logits.device).expand(m, vocab)
+    rows, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)          # [rows, V]
+    ranks = torch.arange(vocab, device=logits.device).expand(rows, vocab)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=logits.device)
-        # Ties with the k-th value survive, as in transformers and vLLM.
-        kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+        keep = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=logits.device)
+        # Ties with the top_k-th value survive, as in transformers and vLLM.
+        kth = sorted_logits.gather(-1, (keep - 1).unsqueeze(-1))
         drop |= sorted_logits < kth
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if top_p is not None:
@@ -94,9 +94,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling. probs: [m, V] (need not be normalised), u: [m] in [0, 1).
-    Returns int64 [m]; a token of zero probability is never returned."""
-    cdf = probs.double().cumsum(dim=-1)                                   # [m, V]
-    target = (u.double() * cdf[:, -1]).unsqueeze(-1)                      # [m, 1]
+    """Inverse-CDF sampling. probs: [rows, V] (need not be normalised), u: [rows] in [0, 1).
+    Returns int64 [rows]; a token of zero probability is never returned."""
+    cdf = probs.double().cumsum(dim=-1)                                   # [rows, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)                      # [rows, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)

@@ -34,6 +34,7 @@ import logging
 
 import torch
 
+from specray.scheduler.block_manager import blocks_needed
 from specray.workers.host_copy import host_tensor
 from specray.workers.paged_attention import AttentionMetadata, block_rows, slot_mapping
 
@@ -71,7 +72,7 @@ class StepGraphs:
         self.model, self.kv, self.capturer = model, kv, capturer
         self.block_size = kv.block_size
         self.device = kv.layers[0][0].device
-        self.max_width = -(-max_model_len // self.block_size)
+        self.max_width = blocks_needed(max_model_len, self.block_size)
         self.batches = batch_buckets(min(max_num_seqs, MAX_BATCH))
         self.query_lens = sorted({q for q in query_lens if 0 < q <= MAX_QUERY})
         self.widths = table_widths(self.max_width)
@@ -97,7 +98,7 @@ class StepGraphs:
         if not self._replay or q not in self.query_lens or min(num_computed) == 0 or any(x != q for x in num_new):
             return None
         b = next((b for b in self.batches if b >= n), None)
-        need = -(-(max(num_computed) + q) // self.block_size)
+        need = blocks_needed(max(num_computed) + q, self.block_size)
         w = min(1 << (need - 1).bit_length(), self.max_width)
         if b is None or need > w:
             return None

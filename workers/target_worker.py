@@ -27,20 +27,21 @@ class TargetWorker(ModelWorker):
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
-        """``draft_probs``: the proposing shards' ``[m, width, V]`` tensors in shard order
+        """``draft_probs``: the proposing shards' ``[rows, width, V]`` tensors in shard order
         (``plan.draft_rows`` indexes their concatenation)."""
         t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
         n, width = plan.num_seqs, plan.width
-        lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n     # proposals verified
-        self._check_proposals(plan, lens, draft_probs)
-        r.kv.apply(plan, lens)          # proposals are fed: their K/V is written too
+        # What each sequence verifies: its proposal_len, 0 where the plan carries no proposals.
+        proposal_lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
+        self._check_proposals(plan, proposal_lens, draft_probs)
+        r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
         if n == 0:
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
-        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, lens, width)
+        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.logit_rows), tail=[m + 1 for m in lens])   # [sum(lens) + n, V]
+                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])  # [sum + n, V]
         vocab = logits.shape[-1]
         w1 = width + 1
         # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
@@ -58,23 +59,23 @@ class TargetWorker(ModelWorker):
             scores = (logits if grid_rows is None else logits.index_select(0, grid_rows)).view(n, w1, vocab)
         parts, out = [argmax], None
         if sampled:
-            out, counts = self._sample(plan, lens, sampled, scores, draft_probs)
+            out, counts = self._sample(plan, proposal_lens, sampled, scores, draft_probs)
             parts += [counts, out.view(-1)]
         if asked:
             chosen, top_lp, top_ids, num_top = self._logprobs(plan, asked, sampled, scores, argmax, out)
             parts.append(top_ids.view(-1))
         flat = torch.cat(parts).tolist() if len(parts) > 1 else argmax.tolist()    # still one host sync
-        cells, m = n * w1, len(sampled)
-        grid, counts, out = flat[:cells], flat[cells:cells + m], flat[cells + m:cells + m + m * w1]
-        emitted = greedy_accept(grid, plan.proposal_token_ids, lens, width)
+        cells, ns = n * w1, len(sampled)
+        grid, counts, out = flat[:cells], flat[cells:cells + ns], flat[cells + ns:cells + ns + ns * w1]
+        emitted = greedy_accept(grid, plan.proposal_token_ids, proposal_lens, width)
         for j, i in enumerate(sampled):
             emitted[i] = out[j * w1:j * w1 + counts[j]]
-        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), num_proposed=list(lens),
+        result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=list(proposal_lens),
                             num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
         if asked:
             # Computed before the sync above: this copy waits for nothing.
             floats = torch.cat([chosen.view(-1), top_lp.view(-1)]).tolist()
-            _fill_logprobs(result, plan, asked, emitted, floats, flat[cells + m + m * w1:], w1, num_top)
+            _fill_logprobs(result, plan, asked, emitted, floats, flat[cells + ns + ns * w1:], w1, num_top)
         result.compute_s = time.perf_counter() - t0
         return result
 
@@ -94,31 +95,32 @@ class TargetWorker(ModelWorker):
         num_top = min(max(plan.logprobs[i] for i in asked), vocab)
         return (*token_logprobs(scores[rows], tokens[rows], num_top), num_top)
 
-    def _sample(self, plan: StepPlan, lens: list[int], rows: list[int], scores, draft_probs):
+    def _sample(self, plan: StepPlan, proposal_lens: list[int], rows: list[int], scores, draft_probs):
         """Rejection sampling for the sequences ``rows`` (batch indices) that sample:
-        their emitted tokens [m, width+1] (-1 past the emitted) and counts [m]."""
+        their emitted tokens [s, width+1] (-1 past the emitted) and counts [s], s = len(rows)."""
         r = self.runner
         dev = r.device
         width = plan.width
         w1, vocab = scores.shape[1:]
-        m = len(rows)
+        s = len(rows)
         rep = lambda xs: [xs[i] for i in rows for _ in range(w1)]  # noqa: E731
         di = r.to_device(rows)
-        probs = logits_to_probs(scores[di].view(m * w1, vocab), r.to_device(rep(plan.temperature), torch.float32),
-                                rep(plan.top_k), rep(plan.top_p)).view(m, w1, vocab)
+        probs = logits_to_probs(scores[di].view(s * w1, vocab), r.to_device(rep(plan.temperature), torch.float32),
+                                rep(plan.top_k), rep(plan.top_p)).view(s, w1, vocab)
         props = plan.proposal_token_ids
         draft_ids = r.to_device([props[i * width + j] for i in rows for j in range(width)] if props
-                                else [-1] * (m * width))
-        proposal_lens = r.to_device([lens[i] for i in rows])
+                                else [-1] * (s * width))
+        rows_proposal_lens = r.to_device([proposal_lens[i] for i in rows])
         q, has_q = self._draft_probs(draft_probs, [plan.draft_rows[i] if plan.draft_rows else -1 for i in rows], dev)
-        base = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])         # L_i
-        positions = base.unsqueeze(-1) + torch.arange(w1, device=dev)                      # [m, width+1]
+        # The first scored position is the sequence's length before the step (its step_len).
+        step_lens = r.to_device([plan.num_computed[i] + plan.num_new[i] for i in rows])
+        positions = step_lens.unsqueeze(-1) + torch.arange(w1, device=dev)                 # [s, width+1]
         seeds = r.to_device([plan.seeds[i] for i in rows]).unsqueeze(-1)
         accept_u = keyed_uniform(seeds, positions[:, :-1], STREAM_ACCEPT)
         sample_u = keyed_uniform(seeds, positions, STREAM_TARGET)
-        return random_verify(probs, draft_ids.view(m, width), q, has_q, proposal_lens, accept_u, sample_u)
+        return random_verify(probs, draft_ids.view(s, width), q, has_q, rows_proposal_lens, accept_u, sample_u)
 
-    def _check_proposals(self, plan: StepPlan, lens: list[int], shards) -> None:
+    def _check_proposals(self, plan: StepPlan, proposal_lens: list[int], shards) -> None:
         """Proposals are fed to the model and index one-hot rows, draft rows index the
         shards: all must be in range (O(n * width) in C, no per-token Python)."""
         vocab, width = self.runner.vocab_size, plan.width
@@ -127,10 +129,10 @@ class TargetWorker(ModelWorker):
             j = next(j for j, t in enumerate(props) if not -1 <= t < vocab)
             raise PlanError(f"StepPlan.proposal_token_ids[{j}] (sequence {plan.seq_ids[j // width]}): "
                             f"{props[j]} is outside the vocabulary [0, {vocab})")
-        for i, m in enumerate(lens):
-            if m and min(props[i * width:i * width + m]) < 0:
+        for i, proposal_len in enumerate(proposal_lens):
+            if proposal_len and min(props[i * width:i * width + proposal_len]) < 0:
                 raise PlanError(f"StepPlan.proposal_token_ids: sequence {plan.seq_ids[i]} pads inside "
-                                f"its {m} proposals")
+                                f"its {proposal_len} proposals")
         rows = 0
         for j, s in enumerate(shards):
             if s is None:
@@ -138,7 +140,7 @@ class TargetWorker(ModelWorker):
             if not (isinstance(s, torch.Tensor) and s.is_floating_point() and s.dim() == 3
                     and s.shape[1:] == (width, vocab)):
                 what = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-                raise PlanError(f"draft_probs[{j}] must be a float tensor [m, {width}, {vocab}], got {what}")
+                raise PlanError(f"draft_probs[{j}] must be a float tensor [rows, {width}, {vocab}], got {what}")
             rows += s.shape[0]
         if plan.draft_rows and max(plan.draft_rows) >= rows:
             i = max(range(plan.num_seqs), key=plan.draft_rows.__getitem__)
@@ -188,25 +190,25 @@ def packed_verify_batch(token_ids: list[int], num_new: list[int], proposal_token
                         proposal_lens: list[int], width: int) -> PackedVerify:
     """The verify pass's input layout, as host lists (list slicing and ``range`` run at
     C speed; a handful of tiny tensor ops cost more at these sizes). Sequence i's
-    positions 0..m (m its proposal_len) are scored at its last new token and its
-    proposals: those m + 1 rows are computed once (``logit_rows``), and ``cells`` lays
-    them out as a dense ``[n, width+1]`` grid whose cells past m repeat the last one (the
-    sampler never reads them)."""
+    positions 0..proposal_len are scored at its last new token and its proposals: those
+    proposal_len + 1 rows are computed once (``logit_rows``), and ``cells`` lays them out
+    as a dense ``[n, width+1]`` grid whose cells past its proposal_len repeat the last one
+    (the sampler never reads them)."""
     tokens: list[int] = []
     fed: list[int] = []
     logit_rows: list[int] = []
     cells: list[int] = []
     start = row = 0
-    for i, (new, m) in enumerate(zip(num_new, proposal_lens)):
+    for i, (new, proposal_len) in enumerate(zip(num_new, proposal_lens)):
         tokens += token_ids[start:start + new]
         start += new
-        if m:
-            tokens += proposal_token_ids[i * width:i * width + m]
+        if proposal_len:
+            tokens += proposal_token_ids[i * width:i * width + proposal_len]
         last = row + new - 1
-        base = len(logit_rows)
-        logit_rows += range(last, last + m + 1)
-        cells += range(base, base + m + 1)
-        cells += [base + m] * (width - m)
-        row += new + m
-        fed.append(new + m)
+        first_cell = len(logit_rows)
+        logit_rows += range(last, last + proposal_len + 1)
+        cells += range(first_cell, first_cell + proposal_len + 1)
+        cells += [first_cell + proposal_len] * (width - proposal_len)
+        row += new + proposal_len
+        fed.append(new + proposal_len)
     return PackedVerify(tokens, fed, logit_rows, cells)

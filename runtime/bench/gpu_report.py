@@ -35,7 +35,8 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
     positions = sum(max(len(g), len(r)) for g, r in zip(got, ref))
     equal = sum(sum(x == y for x, y in zip(g, r)) for g, r in zip(got, ref))
     firsts = [first_divergence(g, r) for g, r in zip(got, ref)]
-    return {"exact": all(f is None for f in firsts), "equal_token_share": round(equal / positions, 4) if positions else 1.0,
+    return {"exact": all(f is None for f in firsts),
+            "equal_token_share": round(equal / positions, 4) if positions else 1.0,
             "first_divergence": firsts}
 
 

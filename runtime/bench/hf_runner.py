@@ -26,7 +26,7 @@ class HFRunner:
     def __init__(self, s: BenchSettings):
         from transformers import AutoModelForCausalLM
 
-        from specray.workers.model_loader import resolve_device, resolve_dtype, load_config
+        from specray.workers.model_loader import load_config, resolve_device, resolve_dtype
 
         self.device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, self.device, load_config(s.target))

@@ -69,7 +69,8 @@ def format_table(result: dict) -> str:
     w = max([8] + [len(_policy(r)) for r in result["runs"]])        # the policy column, variants included
     against = lambda p: p["against"] + (f" ({p['best']})" if p.get("best") else "")  # noqa: E731
     a = max([14] + [len(against(p)) for p in result.get("paired", [])])
-    head = f"{'system':8} {'proposer':9} {'policy':{w}} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} {'accept':>7} {'mean_len':>8}"
+    head = (f"{'system':8} {'proposer':9} {'policy':{w}} {'mode':8} {'batch':>5} {'tokens/s':>10} {'spread':>17} "
+            f"{'accept':>7} {'mean_len':>8}")
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"

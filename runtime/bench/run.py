@@ -103,7 +103,8 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     return RuntimeConfig(
         target=s.target, draft=s.draft if proposer in ("draft", "draft+suffix") else None, proposer=proposer,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
-        block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len, speculation_policy=policy,
+        block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len,
+        speculation_policy=policy,
         policy_options=dict(s.variants[variant]) if variant else {}, layout=layout.removesuffix("-all-cores"),
         torch_threads=threads if threads > 1 else 0, overlap=plus == "overlap", **resources)
 

@@ -159,7 +159,8 @@ class DriverCore(Admission, Streams, StepLoop):
                  target_workers_down=sorted(self.scheduler.targets_down),
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a link of their own (``worker_link``) right now
-                 num_linked_workers=sum(getattr(c, "linked", bool)() for c in self.pool.verifiers + self.pool.proposers),
+                 num_linked_workers=sum(getattr(c, "linked", bool)()
+                                        for c in self.pool.verifiers + self.pool.proposers),
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  layout=self.config.cluster.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),

@@ -114,7 +114,7 @@ class StepLoop:
                 self.scheduler.finish(seq, "stop")
                 seq.finish_reason = "stop"
                 seq.truncate_output(keep)
-            for seq, _, req in reqs:
+            for _, _, req in reqs:
                 if req is not None:
                     req.commit()
         for seq in ended:

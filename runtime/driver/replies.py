@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.request_output import RequestOutput
 
-
 # A refused call names its first bad request so that callers can drop it and resubmit.
 REQUEST_ERROR = re.compile(r"request (\d+): (.*)", re.S)
 

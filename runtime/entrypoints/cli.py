@@ -13,6 +13,7 @@ from specray.runtime.entrypoints import models_cli, serve
 from specray.runtime.entrypoints.batch import job as batch
 from specray.runtime.entrypoints.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
 
+
 def cmd_generate(args) -> int:
     from specray import SamplingParams, SpecRuntime
 
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first, the draft in the others too (with colocated, also co-located on every core); "
                         "JSON: \"layout\" and \"torch_threads\" on each run (default: actors, or colocated with "
                         "--colocate)")
-    b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated; batch 1 always runs (the analytic bound needs it)")
+    b.add_argument("--batch-sizes", default="1,8,32",
+                   help="comma-separated; batch 1 always runs (the analytic bound needs it)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--temperature", type=float, default=0.8, help="for the sampled runs")

@@ -58,8 +58,8 @@ def run(args) -> int:
     import ray
 
     from specray.runtime import ray_env
-    from specray.runtime.entrypoints.cli_args import runtime_config
     from specray.runtime.client import SpecRuntime
+    from specray.runtime.entrypoints.cli_args import runtime_config
 
     # A server outlives this process: it joins a running cluster, never a private one.
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"

@@ -17,8 +17,8 @@ import threading
 import time
 
 from specray.runtime.transport.link_auth import LOOPBACK, link_hosts
-from specray.runtime.transport.worker_link import Link, LinkCall, LinkLost, LinkServer
 from specray.runtime.transport.worker_call import WorkerLost
+from specray.runtime.transport.worker_link import Link, LinkCall, LinkLost, LinkServer
 from specray.scheduler.messages import StepPlan, encode
 from specray.workers.errors import StaleCacheError
 

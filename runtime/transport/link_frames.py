@@ -103,7 +103,8 @@ def check_spec(s) -> list:
     # Sizes past a zero count too: torch cannot lay out an empty tensor whose strides overflow.
     extent = math.prod(max(d, 1) for d in shape) * DTYPE_BYTES[dtype]
     if extent > MAX_TENSOR_BYTES:
-        raise LinkProtocolError(f"a {dtype} tensor of shape {shape!r:.80} exceeds the limit of {MAX_TENSOR_BYTES} bytes")
+        raise LinkProtocolError(f"a {dtype} tensor of shape {shape!r:.80} exceeds the limit of "
+                                f"{MAX_TENSOR_BYTES} bytes")
     size = math.prod(shape) * DTYPE_BYTES[dtype]
     if type(nbytes) is not int or nbytes != size:
         raise LinkProtocolError(f"a {dtype} tensor of shape {shape} is {size} bytes, the spec says {nbytes!r:.40}")

@@ -17,7 +17,7 @@ from specray.workers.config import ModelConfig
 
 class TargetActor(WorkerActor):
     def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
-        from specray.workers.target_worker import TargetWorker   # in the actor: see DraftActor
+        from specray.workers.target_worker import TargetWorker  # in the actor: see DraftActor
 
         super().__init__()
         self.worker = TargetWorker(model, cache)

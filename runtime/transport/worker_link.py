@@ -39,8 +39,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specray.runtime.transport import link_auth
-from specray.runtime.transport.link_frames import (LinkLost, LinkProtocolError, check_spec, check_specs, pack_frame, recv_frame,
-                                         recv_tensor, send_tensors, spec, unpack_header)
+from specray.runtime.transport.link_frames import (
+    LinkLost,
+    LinkProtocolError,
+    check_spec,
+    check_specs,
+    pack_frame,
+    recv_frame,
+    recv_tensor,
+    send_tensors,
+    spec,
+    unpack_header,
+)
 
 __all__ = ["Link", "LinkCall", "LinkCallError", "LinkLost", "LinkRefused", "LinkServer"]
 
@@ -159,7 +169,8 @@ class LinkServer:
     @staticmethod
     def _read_call(conn: socket.socket) -> tuple[str, bytes | None, Any, list]:
         header = unpack_header(recv_frame(conn))
-        if not (len(header) == 4 and isinstance(header[0], str) and (header[1] is None or isinstance(header[1], bytes))):
+        if not (len(header) == 4 and isinstance(header[0], str)
+                and (header[1] is None or isinstance(header[1], bytes))):
             raise LinkProtocolError("a call's header must be [op, data bytes or nil, arg, tensor specs]")
         op, data, arg, specs = header
         return op, data, arg, check_specs(specs)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specray.runtime.config import RuntimeConfig
-from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
-from specray.workers.config import ModelConfig
 from specray.runtime.transport.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
+from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
 from specray.scheduler.proposers.ngram import NgramProposer
 from specray.scheduler.proposers.suffix import SuffixProposer
+from specray.workers.config import ModelConfig
 
 
 @dataclass
@@ -127,9 +127,8 @@ def _host_proposers(cfg: RuntimeConfig, pool: WorkerPool) -> list[WorkerCall]:
 
 def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     from specray.workers.draft_worker import DraftWorker
-    from specray.workers.target_worker import TargetWorker
-
     from specray.workers.memory_budget import plan_blocks
+    from specray.workers.target_worker import TargetWorker
 
     # In this process a model's load cannot be stopped halfway: look between workers.
     cluster = cfg.cluster

@@ -7,7 +7,8 @@ Two sources of matches:
   (what a suffix tree of that request would propose, without building one): the repeats
   within a request, as prompt lookup finds them, but the continuation seen most often wins;
 - one global ``SuffixTree`` over the outputs of the last ``suffix_cache_requests`` finished
-  requests, each after the tail of its prompt a match can reach (first in, first out, and fewer while it holds more than ``suffix_max_nodes``):
+  requests, each after the tail of its prompt a match can reach (first in, first out, and
+  fewer while it holds more than ``suffix_max_nodes``):
   what other requests emitted, so best-of-n samples, retries and agents that repeat
   themselves propose what an earlier answer said.
 
@@ -32,9 +33,9 @@ from collections import deque
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals
 from specray.scheduler.proposal_choice import ScoreRecord, common_prefix
-from specray.scheduler.sequence import Sequence
 from specray.scheduler.proposers.sequence_matches import SequenceMatches
 from specray.scheduler.proposers.suffix_tree import Candidate, SuffixTree
+from specray.scheduler.sequence import Sequence
 
 # Bytes of one tree node as CPython holds it (its count, its slot in the children list,
 # a small children dict, its entry in its parent's): measured once, for metrics().

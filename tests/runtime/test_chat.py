@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from specray_testing import hf_greedy, make_pair, word_tokenizer
+
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
-from specray.runtime.entrypoints.batch.job import main as batch_main
 from specray.runtime.chat import check_messages
+from specray.runtime.entrypoints.batch.job import main as batch_main
 
 # Roles become marker words; the generation prompt is "w7". Words w3..w96 are the vocabulary.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ 'w5' if m['role'] == 'user' else 'w6' }} "

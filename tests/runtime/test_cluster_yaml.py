@@ -31,7 +31,6 @@ import time
 
 import pytest
 import yaml
-
 from specray_testing import ROOT, free_port, hf_greedy, ray_pids, stop_ray_head
 
 CLUSTER_YAML = ROOT / "cluster.yaml"
@@ -151,10 +150,11 @@ def _documented_flags(text: str) -> dict[str, dict]:
 def test_documented_flags_place_each_worker_on_its_own_node_type(doc):
     """The flags the comments and docs tell users to pass give worker actors bundles that
     fit their node type (with the GPU a CUDA worker adds) and no other node type."""
+    import argparse
+
     from specray.runtime.entrypoints.cli_args import add_model_args, runtime_config
     from specray.runtime.transport.actor_handle import actor_options
     from specray.runtime.transport.worker_pool import _bundle
-    import argparse
 
     flags = _documented_flags(doc.read_text())
     p = argparse.ArgumentParser()

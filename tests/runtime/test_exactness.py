@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import hf_greedy, run_local
+
 from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams
 

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 from ray._private.state import actors
+from specray_testing import hf_greedy
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
-from specray_testing import hf_greedy
 
 
 def alive_pids(cls: str) -> list[int]:

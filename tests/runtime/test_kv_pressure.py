@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import hf_greedy, make_pair, run_local
+
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams

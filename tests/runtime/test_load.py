@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+from specray_testing import hf_greedy
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 from specray.runtime.driver.core import DriverCore
-from specray_testing import hf_greedy
 
 NUM_PROMPTS = 40
 LONGEST = 24
@@ -108,7 +108,8 @@ def test_pending_requests_count_until_they_finish(llama_pair):
     """With the step loop held, accepted requests stay pending: the next submit past the
     limit is refused; once they finish there is room again."""
     t, d = llama_pair
-    core = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=2, block_size=4, device="cpu",
+    core = DriverCore(RuntimeConfig(layout="colocated",
+                                    target=t, draft=d, num_speculative_tokens=2, block_size=4, device="cpu",
                                     dtype="float32", max_pending=3), export_metrics=False)
     gate = threading.Event()
     real_step = core.engine.step

@@ -8,8 +8,8 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
-
 from specray_testing import hf_greedy
+
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
 MAX_LEN = 48

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import run_local
+
 from specray.runtime import model_store
 from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams

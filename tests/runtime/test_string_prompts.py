@@ -7,8 +7,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from specray_testing import hf_greedy, make_pair, run_local, word_tokenizer
+
 from specray.runtime.config import RuntimeConfig
 from specray.scheduler.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ own generate; a pair whose tokenizers disagree is refused, naming both."""
 from __future__ import annotations
 
 import pytest
-
 from specray_testing import disagreeing_pair, hf_greedy, make_pair, run_local
+
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams

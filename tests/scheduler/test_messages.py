@@ -59,7 +59,7 @@ def make_proposals(n: int = 4, k: int = 4) -> Proposals:
 
 
 def make_result() -> StepResult:
-    return StepResult(step_id=INT64_MAX, compute_s=1e-4, seq_ids=[2**32, 5, 2**62], num_proposed=[0, 4, 3],
+    return StepResult(step_id=INT64_MAX, compute_s=1e-4, seq_ids=[2**32, 5, 2**62], proposed=[0, 4, 3],
                       num_emitted=[1, 4, 2],
                       token_ids=[0, 151_935, 2**31 - 1, 3, 4, 5, 6])
 
@@ -164,7 +164,7 @@ def test_trailing_bytes_are_rejected():
     assert_protocol_error(encode(make_result()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 5, 7, -1, 2**40, "6", None, True, [6], b"\x06"])
+@pytest.mark.parametrize("version", [0, 6, 8, -1, 2**40, "7", None, True, [7], b"\x07"])
 def test_wrong_protocol_version(version):
     obj = raw(make_result())
     obj[0] = version
@@ -305,9 +305,9 @@ def test_inconsistent_proposals_and_result_lengths():
     assert_protocol_error(with_field(r, token_ids=r.token_ids[:-1]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[1, 4]), match="num_emitted")
     assert_protocol_error(with_field(r, num_emitted=[0, 5, 2]), match="num_emitted")
-    assert_protocol_error(with_field(r, num_proposed=[0, 4]), match="num_proposed")
+    assert_protocol_error(with_field(r, proposed=[0, 4]), match="StepResult.proposed")
     # more emitted than proposed + 1: the target cannot accept what was not proposed
-    assert_protocol_error(with_field(r, num_proposed=[0, 2, 3]), match="num_proposed")
+    assert_protocol_error(with_field(r, proposed=[0, 2, 3]), match=r"proposed \+ 1")
     for bad in (-1.0, float("inf"), float("nan")):
         assert_protocol_error(with_field(r, compute_s=bad), match="compute_s")
         assert_protocol_error(with_field(q, compute_s=bad), match="compute_s")

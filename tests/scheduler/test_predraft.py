@@ -28,7 +28,7 @@ def plan_for(seq_ids, num_computed, fed, proposal_lens, k=3, **kw) -> StepPlan:
 def predraft() -> Predraft:
     # Sequence 7 proposed [5, 6] at 10: rejected at 0 (guess 9 or 8), at 1 (guess 4), or
     # all accepted (the draft caught up on 6, bonus guess 2). Sequence 8: one branch.
-    return Predraft(step_id=1, width=3, seq_ids=[7, 7, 7, 7, 8], base=[10, 10, 11, 11, 20],
+    return Predraft(step_id=1, width=3, seq_ids=[7, 7, 7, 7, 8], num_computed=[10, 10, 11, 11, 20],
                     fed_lens=[1, 1, 1, 2, 1], fed_token_ids=[9, 8, 4, 6, 2, 1],
                     proposal_lens=[3, 3, 3, 3, 2], token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -1])
 

@@ -10,8 +10,8 @@ import math
 from typing import Callable
 
 import pytest
-
 from engine_harness import make_seq, prompt_for, reference, true_next
+
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepPlan

@@ -7,19 +7,32 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_harness import (  # noqa: F401
+    MIXED,
+    FakeWorker,
+    Harness,
+    V,
+    add_requests,
+    assert_matches_reference,
+    build,
+    default_wrong,
+    expected_limit,
+    make_seq,
+    prompt_for,
+    reference,
+    roundtrip,
+    true_logprob,
+    true_next,
+)
 
-from engine_harness import (MIXED, V, Harness, add_requests, assert_matches_reference, build,  # noqa: F401
-                            expected_limit, make_seq, prompt_for, reference, roundtrip, true_next, default_wrong,
-                            FakeWorker, true_logprob)
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepResult
-from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sampling_params import SamplingParams
+from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import StepOutcome, Verdict, verdicts
 from specray.scheduler.token_logprob import TokenLogprob
-
 
 # -- (a) greedy equivalence ----------------------------------------------------------------
 
@@ -290,7 +303,7 @@ def test_target_max_len_caps_and_finishes_with_length():
     ref = add_requests(eng, specs)
     eng.run()
     assert_matches_reference(eng, ref)
-    for sid, plen, _ in specs:
+    for sid, _, _ in specs:
         seq = eng.finished[sid]
         assert seq.num_tokens <= tml
         if seq.finish_reason == "length":
@@ -385,7 +398,7 @@ def test_verdicts_carry_logprobs_and_refuse_a_result_that_ignores_the_plan():
     eng.sched.add(make_seq(2, prompt_for(2, 3), 10))
     plan = eng.sched.schedule().target_plans[0]
     assert plan.logprobs == [1, -1]
-    ok = dict(step_id=plan.step_id, seq_ids=[1, 2], num_proposed=[2, 0], num_emitted=[2, 1], token_ids=[5, 6, 7])
+    ok = dict(step_id=plan.step_id, seq_ids=[1, 2], proposed=[2, 0], num_emitted=[2, 1], token_ids=[5, 6, 7])
     v1, v2 = verdicts(plan, StepResult(**ok, num_top=[1, -1], logprobs=[-0.5, -1.0], top_ids=[5, 8],
                                        top_logprobs=[-0.5, -0.25]))
     assert v1.logprobs == (TokenLogprob(5, -0.5, [(5, -0.5)]), TokenLogprob(6, -1.0, [(8, -0.25)]))
@@ -474,7 +487,7 @@ def test_verdicts_refuse_a_result_for_another_batch_or_too_many_accepts():
     assert plan.proposal_lens == [2, 2]
 
     def result(seq_ids, proposed, emitted):
-        return StepResult(step_id=step.step_id, seq_ids=seq_ids, num_proposed=proposed, num_emitted=emitted,
+        return StepResult(step_id=step.step_id, seq_ids=seq_ids, proposed=proposed, num_emitted=emitted,
                           token_ids=[0] * sum(emitted))
 
     with pytest.raises(ValueError, match="answers sequences"):
@@ -486,7 +499,7 @@ def test_verdicts_refuse_a_result_for_another_batch_or_too_many_accepts():
         verdicts(plan, result([1, 2], [2, 2], [3, 4]))
     with pytest.raises(ValueError, match="verified 3 proposals, 2 were sent"):
         verdicts(plan, result([1, 2], [3, 2], [1, 1]))
-    assert verdicts(plan, StepResult(step_id=step.step_id, seq_ids=[1, 2], num_proposed=[2, 1], num_emitted=[3, 1],
+    assert verdicts(plan, StepResult(step_id=step.step_id, seq_ids=[1, 2], proposed=[2, 1], num_emitted=[3, 1],
                                      token_ids=[5, 6, 7, 8])) == [Verdict(1, 2, 2, (5, 6, 7)), Verdict(2, 1, 0, (8,))]
 
 
@@ -828,7 +841,7 @@ def test_frees_reach_the_ranks_that_held_the_sequence():
     assert_matches_reference(eng, ref)
     assert sum(map(len, finished_in)) == len(ref)
     free_only = 0
-    for i, step in enumerate(eng.steps[:-1]):
+    for i in range(len(eng.steps) - 1):
         nxt = eng.steps[i + 1]
         for s in finished_in[i]:
             for r, plan in enumerate(nxt.target_plans):
@@ -903,7 +916,7 @@ def test_a_bad_result_fails_the_step_before_anything_is_applied():
                 for s in step.seqs]
     verify = eng.verify
     # Target rank 1 answers for a sequence it was not sent: the engine refuses the step.
-    eng.verify = lambda r, plan, probs: (StepResult(step_id=plan.step_id, seq_ids=[3], num_proposed=[0],
+    eng.verify = lambda r, plan, probs: (StepResult(step_id=plan.step_id, seq_ids=[3], proposed=[0],
                                                     num_emitted=[1], token_ids=[0]) if r == 1
                                          else verify(r, plan, probs))
     with pytest.raises(ValueError, match="answers sequences"):

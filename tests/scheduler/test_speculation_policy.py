@@ -5,8 +5,8 @@ those limits and shows it the same outcome its stats read."""
 from __future__ import annotations
 
 import pytest
-
 from engine_harness import MIXED, add_requests, assert_matches_reference, build
+
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.speculation_policy import Decision, PolicyView, StaticPolicy
 from specray.scheduler.step import StepOutcome

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import worker_configs
+
 from specray.workers.draft_worker import DraftWorker
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
@@ -90,7 +90,7 @@ def test_sampled_proposals_carry_their_distributions(worker, draft_path, hf_mode
     props, probs = worker.propose(draft_plan(plan_builder, seqs, k_i, **knobs))
     assert props.has_probs
     assert probs.shape == (4, K, VOCAB) and probs.dtype == torch.float32
-    for i, ((sid, toks), ki, row) in enumerate(zip(seqs.items(), k_i, rows(props))):
+    for i, ((_, toks), ki, row) in enumerate(zip(seqs.items(), k_i, rows(props))):
         assert row[ki:] == [-1] * (K - ki)
         assert bool((probs[i, ki:] == 0).all())
         if knobs["temperature"][i] == 0:

@@ -8,7 +8,6 @@ served steps go through the same static buffers a CUDA graph reads and writes.""
 from __future__ import annotations
 
 import pytest
-
 from specray_testing import hf_greedy, model_runner
 
 from specray.runtime.config import RuntimeConfig
@@ -122,7 +121,8 @@ def test_graph_counters_reach_metrics(llama_pair, capturers):
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     for fail_at, replayed in ((None, True), (1, False)):
         capturers(fail_at=fail_at)
-        drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+        drv = DriverCore(RuntimeConfig(layout="colocated",
+                                       target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                        dtype="float32", max_num_seqs=4))
         try:
             out = drv.wait(drv.submit(prompts, [SamplingParams(max_tokens=12, temperature=0.0)] * 2).request_ids,

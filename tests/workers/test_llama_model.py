@@ -13,11 +13,9 @@ import itertools
 
 import pytest
 import torch
-
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, model_runner
 
 from specray.workers import llama_model
-from specray_testing import model_runner
 from specray.workers.config import ModelConfig
 
 VOCAB = 96

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.runtime.transport import worker_pool
 from specray.runtime.config import RuntimeConfig
+from specray.runtime.transport import worker_pool
 from specray.scheduler.config import CacheConfig
 from specray.workers import memory_budget
 from specray.workers.memory_budget import MemoryNeed, kv_budget, plan_blocks

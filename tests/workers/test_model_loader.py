@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from specray_testing import ROOT, make_pair, word_tokenizer
 from transformers import ByT5Tokenizer
 
-from specray_testing import ROOT, make_pair, word_tokenizer
 from specray.workers import model_loader
 from specray.workers.model_loader import encode_prompt, load_config, looks_local, resolve_model_path
 

@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
-
 from specray_testing import model_runner
+
 from specray.workers.paged_attention import build_metadata, paged_attention
 
 VOCAB = 96

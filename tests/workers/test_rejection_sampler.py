@@ -64,7 +64,8 @@ def test_greedy_matches_random_verify_at_a_one_hot_target():
     n, k, vocab = 300, 4, 5
     target = torch.randint(0, vocab, (n, k + 1), generator=g)
     lens = torch.randint(0, k + 1, (n,), generator=g)
-    draft = torch.where(torch.rand(n, k, generator=g) < 0.7, target[:, :k], torch.randint(0, vocab, (n, k), generator=g))
+    wrong = torch.randint(0, vocab, (n, k), generator=g)
+    draft = torch.where(torch.rand(n, k, generator=g) < 0.7, target[:, :k], wrong)
     draft = torch.where(torch.arange(k) < lens.unsqueeze(-1), draft, torch.full_like(draft, -1))
     p = torch.nn.functional.one_hot(target, vocab).float()
     out, num = random_verify(p, draft, None, torch.zeros(n, dtype=torch.bool), lens,

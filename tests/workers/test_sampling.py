@@ -9,8 +9,14 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specray.workers.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, keyed_uniform, logits_to_probs,
-                              sample_from_probs)
+from specray.workers.sampling import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_TARGET,
+    keyed_uniform,
+    logits_to_probs,
+    sample_from_probs,
+)
 
 
 def hf_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:

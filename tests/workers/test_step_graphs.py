@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, model_runner
 
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
@@ -17,7 +16,6 @@ from specray.scheduler.sampling_params import SamplingParams
 from specray.workers import step_graphs
 from specray.workers.graph_capture import Uncaptured
 from specray.workers.step_graphs import StepGraphs, batch_buckets, table_widths
-from specray_testing import model_runner
 
 VOCAB = 96
 BLOCK = 4
@@ -145,7 +143,8 @@ def test_the_runtime_serves_through_bucketed_steps(llama_pair, monkeypatch):
 
     monkeypatch.setattr(StepGraphs, "shape", spy)
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+    drv = DriverCore(RuntimeConfig(layout="colocated",
+                                   target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                    dtype="float32"))
     prompts = [[5, 6, 7], [8, 9, 10, 11], [3] * 9]
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import worker_configs
+
 from specray.workers.sampling import STREAM_TARGET, keyed_uniform, logits_to_probs, sample_from_probs
 from specray.workers.target_worker import TargetWorker, packed_verify_batch
 
@@ -71,7 +71,7 @@ def test_greedy_verify_matches_hf_greedy(worker, target_path, hf_model, hf_ref, 
     result = worker.verify(target_plan(plan_builder, seqs, proposals))
     result.validate()
     assert result.seq_ids == list(seqs) and result.step_id == 1
-    assert result.num_proposed == [len(proposals[s]) for s in seqs]
+    assert result.proposed == [len(proposals[s]) for s in seqs]
     assert result.num_emitted == [expect_n[s] for s in seqs]
     got = emitted_by_seq(result)
     for s in seqs:
@@ -102,7 +102,7 @@ def test_no_proposals_at_all(worker, target_path, hf_model, hf_ref, plan_builder
     seqs = {20: _rand(g, 7), 21: _rand(g, 2)}
     plan = plan_builder(list(seqs), [0, 0], [7, 2], seqs[20] + seqs[21], [7, 2], width=K)
     result = worker.verify(plan)
-    assert result.num_proposed == [0, 0] and result.num_emitted == [1, 1]
+    assert result.proposed == [0, 0] and result.num_emitted == [1, 1]
     assert result.token_ids == [hf_ref.greedy(ref, seqs[20], 1)[0], hf_ref.greedy(ref, seqs[21], 1)[0]]
 
 

@@ -8,12 +8,11 @@ import time
 
 import pytest
 import torch
+from specray_testing import make_pair, word_tokenizer, worker_configs
 
-from specray_testing import make_pair, word_tokenizer
 from specray.workers.draft_worker import DraftWorker
-from specray.workers.vocabulary import check_pair, id_to_token, vocabulary_mismatch
-from specray_testing import worker_configs
 from specray.workers.sampling import logits_to_probs
+from specray.workers.vocabulary import check_pair, id_to_token, vocabulary_mismatch
 
 V, K = 97, 3
 

@@ -20,18 +20,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
-from specray.scheduler.sampling_params import SamplingParams
 from specray.runtime.engine.core import Engine
 from specray.runtime.transport.worker_call import LocalCall
+from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
+from specray.scheduler.messages import Proposals, ProtocolError, StepPlan, StepResult, decode, encode
+from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.workers.config import ModelConfig
-from specray.workers.model_files import settle_windows
 from specray.workers.draft_worker import DraftWorker
 from specray.workers.errors import PlanError, StaleCacheError
+from specray.workers.model_files import settle_windows
 from specray.workers.target_worker import TargetWorker
 
 VOCAB = 96
@@ -91,7 +91,8 @@ def prompts():
 def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
     """The real engine's step loop over in-process workers, every message through the codec."""
     sched = Scheduler(CacheConfig(block_size=BLOCK, max_num_seqs=MAX_SEQS), SpeculationConfig(num_speculative_tokens=K),
-                      MAX_LEN, BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK), draft_max_model_len=128)
+                      MAX_LEN, BlockManager(MIRROR_BLOCKS, BLOCK), BlockManager(MIRROR_BLOCKS, BLOCK),
+                      draft_max_model_len=128)
 
     def propose(plan):
         props, probs = draft.propose(decode(encode(plan), StepPlan))
@@ -127,7 +128,7 @@ def state(worker):
     kv = worker.runner.kv
     # Private fields on purpose: "unchanged" means every table, the free list's order and
     # the written counts, not just the public counters.
-    return ({s: list(t) for s, t in kv.blocks._tables.items()}, list(kv.blocks._free), dict(kv.written))
+    return ({s: list(t) for s, t in kv.blocks._tables.items()}, list(kv.blocks._free), dict(kv.num_written))
 
 
 def kv_tensors(worker):
@@ -255,7 +256,7 @@ class Fuzzer:
             k_i = rng.randint(0, K)
             look = max(k_i - 1, 0) if role == "draft" else (k_i if with_props else 0)
             new = rng.randint(1, 4)
-            computed = min(rng.randint(0, kv.written.get(sid, 0)), MAX_LEN - look - new)
+            computed = min(rng.randint(0, kv.num_written.get(sid, 0)), MAX_LEN - look - new)
             sampled = rng.random() < 0.4
             plan.seq_ids.append(sid)
             plan.num_computed.append(computed)
@@ -328,10 +329,10 @@ def mut_beyond_slots(f, role, plan, shards):
 def mut_beyond_written(f, role, plan, shards):
     kv = f.workers[role].runner.kv
     i = _pick(f, plan, lambda i: plan.seq_ids[i] not in plan.free_seq_ids
-              and kv.written.get(plan.seq_ids[i], 0) < len(kv.blocks.block_table(plan.seq_ids[i])) * BLOCK)
+              and kv.num_written.get(plan.seq_ids[i], 0) < len(kv.blocks.block_table(plan.seq_ids[i])) * BLOCK)
     if i is None:
         return None
-    plan.num_computed[i] = c = kv.written[plan.seq_ids[i]] + 1
+    plan.num_computed[i] = c = kv.num_written[plan.seq_ids[i]] + 1
     plan.num_slots[i] = max(plan.num_slots[i], c + plan.num_new[i] + _lookahead(role, plan, i))
     return plan, shards, PlanError, False
 

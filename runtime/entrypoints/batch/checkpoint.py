@@ -41,9 +41,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specray.runtime.entrypoints.batch.job import Item
-    from specray.runtime.entrypoints.batch.files import Location
     from specray.runtime.config import RuntimeConfig
+    from specray.runtime.entrypoints.batch.files import Location
+    from specray.runtime.entrypoints.batch.job import Item
 
 VERSION = 2
 # What output_record always writes, with its JSON type.

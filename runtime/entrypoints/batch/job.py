@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
-from specray.runtime.entrypoints.batch.files import Location, Output, check_output_place, locate, read_bytes, where
 from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.entrypoints.batch.files import Location, Output, check_output_place, locate, read_bytes, where
 from specray.runtime.entrypoints.cli_args import add_model_args, runtime_config, sampling_default
 from specray.scheduler.sampling_params import SamplingParams
 

@@ -34,10 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from specray.runtime.entrypoints.openai import protocol as api
 from specray.runtime.driver.restarts import DRIVER_RESTART_TIMEOUT_S, died_for_good
-from specray.runtime.entrypoints.openai.guard import Doors
 from specray.runtime.driver.resume import InFlight
+from specray.runtime.entrypoints.openai import protocol as api
+from specray.runtime.entrypoints.openai.guard import Doors
 
 log = logging.getLogger("specray.http")
 

@@ -92,8 +92,8 @@ def served_name(target: str) -> str:
 
 
 def run(args) -> int:
-    from specray.runtime.entrypoints.cli_args import runtime_config
     from specray.runtime.client import SpecRuntime
+    from specray.runtime.entrypoints.cli_args import runtime_config
     from specray.runtime.entrypoints.openai.ingress import start_http, stop_http
 
     if not 0 < args.port < 65536:

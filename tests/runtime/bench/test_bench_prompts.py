@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from specray_testing import word_tokenizer
+
 from specray import builtin_model
 from specray.runtime.bench.prompts import INSTRUCTIONS, PARAGRAPHS, bench_prompts, quote_texts
 from specray.runtime.bench.stdlib_corpus import held_out_prompts
@@ -55,7 +55,8 @@ def test_a_target_alone_is_benched_with_ngram_and_plain_decoding(ray_session, tm
     assert result["alpha"] is None and result["analytic_bound"] is None
     # n-gram lookup and suffix decoding are held to plain decoding, per batch size.
     assert {(p["proposer"], p["batch_size"], p["against"]) for p in result["paired"]} == {
-        (proposer, b, against) for proposer in ("ngram", "suffix") for b in (1, 2) for against in ("none", "best other")}
+        (proposer, b, against) for proposer in ("ngram", "suffix") for b in (1, 2)
+        for against in ("none", "best other")}
     ratios = result["batch1_ratios"]
     assert all(q is not None and q["min"] <= q["median"] <= q["max"] for q in ratios.values())
     assert "no draft: n-gram and plain decoding only" in format_table(result)

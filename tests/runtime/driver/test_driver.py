@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from specray_testing import hf_greedy
+
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
@@ -27,7 +27,8 @@ class BrokenExporter:
 
 def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
     t, d = llama_pair
-    drv = DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+    drv = DriverCore(RuntimeConfig(layout="colocated",
+                                   target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                    dtype="float32"))
     drv._exporter = exporter = BrokenExporter()
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
@@ -48,12 +49,14 @@ def test_a_failing_metrics_export_does_not_stop_serving(llama_pair):
 def test_num_speculative_tokens_must_fit_the_window(llama_pair):
     t, d = llama_pair
     with pytest.raises(ValueError, match="num_speculative_tokens 40 must be below max_model_len 32"):
-        DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=40, max_model_len=32, device="cpu"))
+        DriverCore(RuntimeConfig(layout="colocated",
+                                 target=t, draft=d, num_speculative_tokens=40, max_model_len=32, device="cpu"))
 
 
 def _local(llama_pair, **kw):
     t, d = llama_pair
-    return DriverCore(RuntimeConfig(layout="colocated", target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+    return DriverCore(RuntimeConfig(layout="colocated",
+                                    target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
                                     dtype="float32", **kw))
 
 
@@ -199,8 +202,10 @@ def test_limits_are_checked_before_a_prompt_is_tokenized():
 
     from specray.runtime.model_store import builtin_model
 
-    drv = DriverCore(RuntimeConfig(layout="colocated", target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
-                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2), export_metrics=False)
+    drv = DriverCore(RuntimeConfig(layout="colocated",
+                                   target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+                                   device="cpu", dtype="float32", max_model_len=64, max_pending=2),
+                     export_metrics=False)
     gate = threading.Event()
     verify = drv.engine.verifiers[0].submit
     drv.engine.verifiers[0].submit = lambda plan, *a: (gate.wait(60), verify(plan, *a))[1]   # no step ends
@@ -235,7 +240,8 @@ def test_stop_strings_are_matched_without_holding_the_drivers_lock():
 
     from specray.runtime.model_store import builtin_model
 
-    drv = DriverCore(RuntimeConfig(layout="colocated", target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
+    drv = DriverCore(RuntimeConfig(layout="colocated",
+                                   target=builtin_model("tiny-target"), draft=builtin_model("tiny-draft"),
                                    device="cpu", dtype="float32", max_model_len=128),
                      export_metrics=False)
     searching, release = threading.Event(), threading.Event()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from specray.runtime.model_store import builtin_model
-from specray.runtime.driver.prompt_bound import chars_per_token, max_prompt_chars
 from specray_testing import word_tokenizer
+
+from specray.runtime.driver.prompt_bound import chars_per_token, max_prompt_chars
+from specray.runtime.model_store import builtin_model
 
 CORPUS = ["def parse_args(argv):\n    return argv[1:]\n", "import os\nimport sys\n", "héllo wörld ✓ " * 3,
           "the quick brown fox jumps over the lazy dog"] * 20

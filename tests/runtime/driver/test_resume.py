@@ -11,9 +11,9 @@ import pytest
 import specray
 from specray import RuntimeConfig, SamplingParams
 from specray.runtime.driver.core import DriverCore
-from specray.runtime.request_output import RequestOutput
 from specray.runtime.driver.resume import InFlight, Progress, Resume, Tracked, with_seed
 from specray.runtime.driver.stop_strings import held_back
+from specray.runtime.request_output import RequestOutput
 from specray.scheduler.token_logprob import TokenLogprob
 
 

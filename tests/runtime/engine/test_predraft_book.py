@@ -18,7 +18,8 @@ def plan_for(seq_ids, num_computed, fed, k=2) -> StepPlan:
 
 def pre() -> Predraft:
     # Sequence 1 at base 10 guessed [4, 7]; sequence 2 at base 20 guessed [5, 8].
-    return Predraft(step_id=4, width=2, seq_ids=[1, 2], base=[10, 20], fed_lens=[2, 2], fed_token_ids=[4, 7, 5, 8],
+    return Predraft(step_id=4, width=2, seq_ids=[1, 2], num_computed=[10, 20], fed_lens=[2, 2],
+                    fed_token_ids=[4, 7, 5, 8],
                     proposal_lens=[2, 2], token_ids=[30, 31, 40, 41])
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specray_testing import hf_greedy
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 from specray.runtime.driver.core import DriverCore
 from specray.runtime.engine.step_groups import GroupEngine
 from specray.runtime.transport.worker_call import LocalCall, WorkerLost
-from specray_testing import hf_greedy
 
 PROMPTS = [torch.randint(0, 97, (3 + i % 5,), generator=torch.Generator().manual_seed(40 + i)).tolist()
            for i in range(10)]
@@ -83,7 +83,7 @@ class DyingDraft(LocalCall):
             if self.calls == self.at:
                 self.lost += 1
                 self.worker.runner.kv.blocks.reset()     # restarted empty: nothing it held is kept
-                self.worker.runner.kv.written.clear()
+                self.worker.runner.kv.num_written.clear()
             return WorkerLost("draft worker died")
         return super().submit(plan, *args)
 

@@ -25,7 +25,8 @@ print(json.dumps(runs))
 
 
 def cli(args, env, timeout=180):
-    return subprocess.run([sys.executable, "-m", "specray.runtime.entrypoints.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specray.runtime.entrypoints.cli",
+                           *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -76,7 +77,8 @@ def test_serve_http_in_the_foreground_until_sigterm_then_nothing_left():
     env = dict(os.environ, RAY_TMPDIR=str(tmp_path), SPECRAY_OBJECT_STORE_BYTES=str(100 * 1024 * 1024))
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.cli", "serve", "--http", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.cli",
+                             "serve", "--http", "--port", str(port),
                              "--served-model-name", "tiny", "--device", "cpu"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, text=True)
     try:

@@ -26,7 +26,14 @@ import torch
 from specray.runtime.transport import link_auth, link_frames
 from specray.runtime.transport.actor_handle import WorkerActor
 from specray.runtime.transport.link_auth import HELLO, link_hosts, peer_allowed
-from specray.runtime.transport.worker_link import MAX_CONNECTIONS, Link, LinkCallError, LinkLost, LinkRefused, LinkServer
+from specray.runtime.transport.worker_link import (
+    MAX_CONNECTIONS,
+    Link,
+    LinkCallError,
+    LinkLost,
+    LinkRefused,
+    LinkServer,
+)
 from specray.workers.errors import StaleCacheError
 
 HANDSHAKE_S = 0.5
@@ -51,7 +58,8 @@ class Worker:
         tensor = None
         if op == "tensor":
             dtype, shape = arg
-            tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(getattr(torch, dtype))
+            tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+            tensor = tensor.to(getattr(torch, dtype))
         if op == "echo_tensors":
             tensor = torch.stack(tensors)
         return data + b"!", tensor

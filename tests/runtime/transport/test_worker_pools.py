@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specray_testing import hf_greedy, run_local
+
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
 from specray.scheduler.sampling_params import SamplingParams
-
 
 
 @pytest.mark.parametrize("n_draft,n_target", [(2, 1), (1, 2), (3, 2)])
@@ -59,8 +58,9 @@ def test_every_worker_serves_a_share_and_sequences_stay_put(llama_pair):
 def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, monkeypatch):
     """The workers start while the driver reads the configs; a refusal (here a draft with
     another tokenizer) calls the start off instead of waiting for the models to load."""
-    import specray.runtime.driver.core
     from specray_testing import disagreeing_pair
+
+    import specray.runtime.driver.core
     from specray.runtime.transport.worker_pool import StartCancelled
 
     seen = []
@@ -73,5 +73,6 @@ def test_a_driver_that_refuses_its_config_calls_the_worker_start_off(tmp_path, m
     monkeypatch.setattr(specray.runtime.driver.core, "start_workers", start_workers)
     t, other_draft = disagreeing_pair(tmp_path)
     with pytest.raises(ValueError, match="do not share a tokenizer"):
-        DriverCore(RuntimeConfig(layout="colocated", target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"))
+        DriverCore(RuntimeConfig(layout="colocated",
+                                 target=t, draft=other_draft, block_size=4, device="cpu", dtype="float32"))
     assert seen == [True]

@@ -130,7 +130,8 @@ def test_decide_follows_the_view_and_keeps_counts_only_for_its_sequences():
 def test_the_cost_model_hears_each_steps_phases_but_not_a_lost_workers():
     p = policy()
     step = ScheduledStep(1, [], [], [])
-    outcome = StepOutcome(step, [Verdict(1, 4, 2, (5, 6, 7))], times=StepTimes(draft_s=1e-3, verify_s=2e-3, step_s=4e-3))
+    times = StepTimes(draft_s=1e-3, verify_s=2e-3, step_s=4e-3)
+    outcome = StepOutcome(step, [Verdict(1, 4, 2, (5, 6, 7))], times=times)
     p.observe(outcome)
     assert sum(len(f.samples) for f in p.cost.target.fits.values()) == 1
     assert sum(len(f.samples) for f in p.cost.draft.fits.values()) == 1

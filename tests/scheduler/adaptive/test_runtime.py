@@ -5,13 +5,13 @@ always right, fall to 0 when it is never right, and greedy output never changes.
 from __future__ import annotations
 
 import torch
+from specray_testing import hf_greedy
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specray_testing import hf_greedy
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
-from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.adaptive.step_cost import StepCostModel
+from specray.scheduler.sampling_params import SamplingParams
 
 K = 4
 

@@ -5,6 +5,7 @@ hears each step's outcome as the stats do, and outputs stay plain greedy decodin
 from __future__ import annotations
 
 from engine_harness import MIXED, add_requests, assert_matches_reference, build
+
 from specray.scheduler.adaptive.policy import AdaptivePolicy
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict

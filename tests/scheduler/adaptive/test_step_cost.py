@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from specray.scheduler.adaptive.step_cost import BucketedFit, LinearFit, StepCostModel, _nonnegative_solve, _solve_linear
+from specray.scheduler.adaptive.step_cost import (
+    BucketedFit,
+    LinearFit,
+    StepCostModel,
+    _nonnegative_solve,
+    _solve_linear,
+)
 
 
 def test_linear_fit_recovers_a_cost_model():

@@ -7,9 +7,9 @@ import pytest
 
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.proposal_choice import ScoreRecord
+from specray.scheduler.proposers.suffix import SuffixProposer
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.sequence import Sequence
-from specray.scheduler.proposers.suffix import SuffixProposer
 
 
 def proposer(**kw) -> SuffixProposer:
@@ -155,6 +155,7 @@ def test_bad_settings_are_refused_naming_the_field():
     for kw, name in ((dict(suffix_cache_requests=-1), "suffix_cache_requests"),
                      (dict(suffix_max_depth=1), "suffix_max_depth"),
                      (dict(suffix_min_prob=0.0), "suffix_min_prob"), (dict(suffix_min_prob=1.5), "suffix_min_prob"),
-                     (dict(suffix_spec_factor=0), "suffix_spec_factor"), (dict(suffix_max_nodes=0), "suffix_max_nodes")):
+                     (dict(suffix_spec_factor=0), "suffix_spec_factor"),
+                     (dict(suffix_max_nodes=0), "suffix_max_nodes")):
         with pytest.raises(ValueError, match=name):
             SpeculationConfig(proposer="suffix", **kw)

@@ -15,13 +15,23 @@ import time
 from pathlib import Path
 
 import pytest
-
 from specray_testing import ROOT, hf_greedy
+
 from specray.runtime.entrypoints.batch.files import Location, check_output_place
-from specray.runtime.entrypoints.cli_args import runtime_config
-from specray.runtime.entrypoints.batch.job import (Item, Output, _Refused, add_parser, generate_all, generate_chunk, output_record,
-                                   parse_line, read_input, run)
+from specray.runtime.entrypoints.batch.job import (
+    Item,
+    Output,
+    _Refused,
+    add_parser,
+    generate_all,
+    generate_chunk,
+    output_record,
+    parse_line,
+    read_input,
+    run,
+)
 from specray.runtime.entrypoints.batch.job import main as batch_main
+from specray.runtime.entrypoints.cli_args import runtime_config
 from specray.runtime.request_output import RequestOutput, TokenLogprob
 from specray.scheduler.sampling_params import SamplingParams
 
@@ -99,7 +109,8 @@ def test_batch_skips_or_fails_on_malformed_lines(llama_pair, tmp_path, ray_sessi
     flags = ["--target", t, "--draft", d, *MODEL_FLAGS, "--input", inp, "--max-tokens", "8"]
     skip_out, fail_out = tmp_path / "out.jsonl", tmp_path / "fail.jsonl"
     # `--on-error skip` as users run it: a subprocess with its own private Ray ...
-    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.batch.job", *flags, "--output", str(skip_out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.batch.job",
+                             *flags, "--output", str(skip_out)], cwd=ROOT,
                             env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # ... and meanwhile `--on-error fail` in this process, on the tests' shared Ray.
     assert batch_main(flags + ["--output", str(fail_out), "--on-error", "fail"]) == 2
@@ -368,7 +379,8 @@ def test_a_batch_job_killed_and_run_again_resumes_from_its_checkpoint(llama_pair
     out = tmp_path / "out.jsonl"
     partial = tmp_path / ".out.jsonl.specray-partial"
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.batch.job", *flags, "--output", str(out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "specray.runtime.entrypoints.batch.job",
+                             *flags, "--output", str(out)], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
@@ -542,8 +554,8 @@ def test_checkpoint_records_are_checked_against_the_input(tmp_path, capsys, monk
     """A record that is not an object, lacks a field, or does not fit the line it names is
     ignored with its reason, and its line runs again; only whole, fitting records stand."""
     from specray.runtime.entrypoints.batch import checkpoint as batch_checkpoint
-    from specray.runtime.entrypoints.batch.job import open_checkpoint
     from specray.runtime.entrypoints.batch.checkpoint import VERSION, fingerprint
+    from specray.runtime.entrypoints.batch.job import open_checkpoint
 
     items = [Item(1, [1, 2], SamplingParams(max_tokens=3), id="a"), Item(2, "text", SamplingParams(max_tokens=3)),
              Item(4, [4], SamplingParams(max_tokens=3, logprobs=1))]

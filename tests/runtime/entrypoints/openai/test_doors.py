@@ -17,17 +17,14 @@ import sys
 import threading
 import time
 
+import openai
 import pytest
-
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 from specray_testing import free_port
+
 from specray import RuntimeConfig, SpecRuntime
 from specray.runtime.model_store import builtin_model
-
-hypothesis = pytest.importorskip("hypothesis")
-openai = pytest.importorskip("openai")
-
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 
 DRIVER = NAMESPACE = "specray-http-doors"
 MODEL = "tiny"
@@ -316,7 +313,7 @@ FUZZ_BUDGET_S = float(os.environ.get("SPECRAY_FUZZ_BUDGET_S", "60"))
 def examples(cases):
     def wrap(fn):
         for case in reversed(cases):
-            fn = hypothesis.example(case)(fn)
+            fn = example(case)(fn)
         return fn
     return wrap
 

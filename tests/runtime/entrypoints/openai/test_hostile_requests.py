@@ -12,10 +12,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from specray_testing import free_port
 
 from specray import RuntimeConfig, SpecRuntime
 from specray.runtime.model_store import builtin_model
-from specray_testing import free_port
 
 DRIVER = "specray-hostile-test"
 MODEL = "tiny"

@@ -13,8 +13,8 @@ import time
 import urllib.request
 
 import pytest
-
 from specray_testing import free_port, hf_greedy
+
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 from specray.runtime.model_store import builtin_model
 

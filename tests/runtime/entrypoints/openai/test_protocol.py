@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from specray.runtime.entrypoints.openai import protocol as api
 from specray.runtime.chat import ChatPrompt
+from specray.runtime.entrypoints.openai import protocol as api
 from specray.runtime.request_output import RequestOutput
 
 
