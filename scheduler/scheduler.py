@@ -25,6 +25,18 @@ preempted sequence goes back to the front of the queue with every token it emitt
 
 A step that fails is requeued the same way (``step_failed``), and its sequences are tried
 in smaller groups until the one that fails alone is found (``Quarantine``).
+
+Prefix caching (``CacheConfig.enable_prefix_caching``), one decision for every model: a
+newcomer's cached prefix is the run of its full prompt blocks cached in its target pool
+AND its draft pool (the shorter of the two), never its last prompt token (the step needs
+its logits); it starts with those blocks in both pools (``num_computed`` = their slots in
+each), so the draft's KV is restored with the target's and acceptance is what it is
+without the cache. A head that keeps KV in the target's process (EAGLE) reads the target's
+tables: its seam is ``hit_margin``, blocks a hit gives back where such KV at a position
+depends on the next token. Blocks are named once their committed tokens' K/V is written
+(``update``: below ``target_computed`` in the target pool, ``draft_computed`` in the draft
+pool), never lookahead or unverified proposals. Finished, aborted and preempted sequences
+free their blocks into the cache, so a preempted sequence's recompute is mostly a hit.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from collections import deque
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepPlan
+from specray.scheduler.prefix_cache import extend_hashes, root_hash
 from specray.scheduler.quarantine import Quarantine
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
@@ -45,11 +58,14 @@ class Scheduler:
     def __init__(self, cache: CacheConfig, speculation: SpeculationConfig, max_model_len: int,
                  target_pools: BlockManager | list[BlockManager], draft_pools: BlockManager | list[BlockManager] |
                  None = None, *, draft_max_model_len: int | None = None, num_proposers: int = 1,
-                 policy: SpeculationPolicy | None = None) -> None:
+                 policy: SpeculationPolicy | None = None, prefix_cache_key: str = "", hit_margin: int = 0) -> None:
         """``max_model_len``: the window in force (the target's, or less); ``draft_max_model_len``:
         the draft's (None: a proposer without one, such as n-gram lookup). ``draft_pools``:
         the draft workers' pools (None for a proposer without KV, of which there are
-        ``num_proposers``). ``policy``: what each sequence proposes (default: static)."""
+        ``num_proposers``). ``policy``: what each sequence proposes (default: static).
+        ``prefix_cache_key``: names the models whose K/V the pools hold (part of every
+        cached block's name); ``hit_margin``: blocks a cache hit gives back (module
+        docstring)."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.cache = cache
@@ -74,6 +90,10 @@ class Scheduler:
         self.drafts_down: set[int] = set()   # draft workers lost and not back yet
         self.targets_down: set[int] = set()  # target workers lost and not back yet
         self.quarantine = Quarantine()       # sequences of failed steps, run apart until cleared
+        self.prefix_cache_key = prefix_cache_key
+        self.hit_margin = hit_margin
+        for pool in self.target_pools + self.draft_pools:
+            pool.enable_prefix_caching = cache.enable_prefix_caching
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -134,6 +154,53 @@ class Scheduler:
             self._draft_slots[sid] = num_tokens + lookahead
         return proposal_len
 
+    # -- prefix caching ------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of the sequence's first ``num_blocks`` full blocks."""
+        if len(seq.block_hashes) < num_blocks:
+            extend_hashes(seq.block_hashes, root_hash(self.prefix_cache_key, seq.params.cache_salt),
+                          seq.tokens, num_blocks, self.cache.block_size)
+        return seq.block_hashes[:num_blocks]
+
+    def _draft_kv(self, seq: Sequence) -> BlockManager | None:
+        """The draft pool whose KV the sequence's hits must cover: its draft worker's, while up."""
+        pool = self._draft_pool(seq)
+        return pool if pool is not None and seq.draft_rank not in self.drafts_down else None
+
+    def _lookup(self, seq: Sequence) -> int:
+        """Blocks of a newcomer's prompt cached for every model it runs on (at most all
+        but its last token: the step needs that token's logits). Changes nothing."""
+        if not self.cache.enable_prefix_caching or self.target_pools[seq.target_rank].has(seq.seq_id):
+            return 0
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.cache.block_size)
+        hit = self.target_pools[seq.target_rank].cached_prefix(hashes)
+        draft = self._draft_kv(seq)
+        if draft is not None:
+            hit = draft.cached_prefix(hashes[:hit])
+        return max(hit - self.hit_margin, 0)
+
+    def _take_hits(self, seq: Sequence, hit: int) -> None:
+        """Start a newcomer with its ``hit`` cached blocks in its target and draft pools
+        (taking cached blocks always fits: they need no new block)."""
+        hashes = self._hashes(seq, hit)
+        num_slots = hit * self.cache.block_size
+        assert self.target_pools[seq.target_rank].allocate_slots(seq.seq_id, num_slots, hits=hashes)
+        seq.target_computed = num_slots
+        draft = self._draft_kv(seq)
+        if draft is not None:
+            assert draft.allocate_slots(seq.seq_id, num_slots, hits=hashes)
+            seq.draft_computed = num_slots
+
+    def _register(self, seq: Sequence) -> None:
+        """Name the sequence's full blocks of committed tokens whose K/V each worker wrote
+        (the draft's only as far as it computed)."""
+        bs = self.cache.block_size
+        for pool, computed in ((self.target_pools[seq.target_rank], seq.target_computed),
+                               (self._draft_kv(seq), seq.draft_computed)):
+            if pool is not None and pool.has(seq.seq_id):
+                n = min(computed, seq.num_tokens) // bs
+                pool.cache_blocks(seq.seq_id, self._hashes(seq, n))
+
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         """``counted``: a preemption in the stats (not a failed step's requeue)."""
         self.running.remove(seq)
@@ -148,17 +215,19 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, tell: bool = True) -> None:
+        """``tell=False``: blocks no plan has told a worker of yet (a newcomer's hits)."""
         # Workers ignore frees of sequences they never saw, so telling them is always safe.
         self.target_pools[seq.target_rank].free(seq.seq_id)
-        self._target_frees[seq.target_rank].append(seq.seq_id)
+        if tell:
+            self._target_frees[seq.target_rank].append(seq.seq_id)
         if self.num_draft_ranks:
             pool = self._draft_pool(seq)
             if pool is not None:
                 pool.free(seq.seq_id)
             # Not to a draft worker that is down: it comes back empty, and a queued free
             # would be a plan -- a call -- to a dead worker.
-            if seq.draft_rank not in self.drafts_down:
+            if tell and seq.draft_rank not in self.drafts_down:
                 self._draft_frees[seq.draft_rank].append(seq.seq_id)
 
     def _place(self, seq: Sequence, t_load: list[int], d_load: list[int]) -> None:
@@ -252,15 +321,26 @@ class Scheduler:
             seq = admit[0]
             if seq.seq_id in in_flight:
                 break      # preempted (a lost worker) while its step is in flight: it waits for that step
-            cost = seq.num_tokens - seq.target_computed
-            if batch and cost > budget:
-                break
             self._place(seq, t_load, d_load)
             if seq.target_rank in self.targets_down:
                 break   # every target worker is down: wait for one to come back
+            hit = self._lookup(seq)
+            cost = seq.num_tokens - max(seq.target_computed, hit * self.cache.block_size)
+            if batch and cost > budget:
+                break
+            if hit:
+                self._take_hits(seq, hit)
             proposal_len = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
             if proposal_len is None:
+                if hit:
+                    self._release(seq, tell=False)
+                    seq.reset_computed()
                 break
+            if self.cache.enable_prefix_caching:
+                self.stats.prefix_cache_queries += seq.num_tokens
+                self.stats.prefix_cache_hits += hit * self.cache.block_size
+                if seq.output_len == 0:
+                    seq.num_cached_tokens = hit * self.cache.block_size
             admit.popleft()
             if admit is not self.waiting:
                 self.waiting.remove(seq)
@@ -297,6 +377,7 @@ class Scheduler:
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
             _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len)
+            _add_hits(t_plans[t], self.target_pools[t].take_hits(seq.seq_id))
             t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
             if proposal_len:
@@ -306,6 +387,7 @@ class Scheduler:
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 slots = self._draft_slots.pop(seq.seq_id, seq.step_len + proposal_len - 1)
                 _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len)
+                _add_hits(d_plans[d], self.draft_pools[d].take_hits(seq.seq_id) if self.draft_pools else [])
                 d_seqs[d].append(seq)
         for plan in t_plans:
             # Nobody asked: the plan says so with no entries, and the worker computes nothing.
@@ -320,6 +402,14 @@ class Scheduler:
                     plans[r] = StepPlan(step_id=sid, width=width)
                 plans[r].free_seq_ids = pending
                 frees[r] = []
+        # A pool's cache events ride with the next plan to its worker, which applies them
+        # before that plan's frees (every event precedes them: block_manager).
+        for plans, pools in ((t_plans, self.target_pools), (d_plans, self.draft_pools)):
+            for plan, pool in zip(plans, pools):
+                if plan is not None:
+                    _add_events(plan, pool.take_events())
+                    if not any(plan.num_hits):
+                        plan.num_hits = []
         return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)
 
     def draft_lost(self, rank: int) -> None:
@@ -369,6 +459,15 @@ class Scheduler:
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq, counted=False)
+        if self.cache.enable_prefix_caching:
+            # What the failed plans' cache events did on the workers is not known: every
+            # pool forgets its cache and tells its worker to (its next plan). A sequence
+            # whose hits no plan carried yet would start on names forgotten: requeued too.
+            for seq in [s for s in self.running if s.seq_id not in {x.seq_id for x in seqs}]:
+                if any(p.has_pending_hits(seq.seq_id) for p in self.target_pools + self.draft_pools):
+                    self._preempt(seq, counted=False)
+            for pool in self.target_pools + self.draft_pools:
+                pool.uncache_all()
         for r in sorted(lost_drafts):
             self.draft_lost(r)
         for r in sorted(lost_targets):
@@ -404,6 +503,9 @@ class Scheduler:
         self.stats.record(outcome)
         if self.num_speculative_tokens:
             self.policy.observe(outcome)
+        if self.cache.enable_prefix_caching:
+            for seq, _ in out:
+                self._register(seq)
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)
@@ -470,6 +572,19 @@ class Scheduler:
 
 def _as_list(pools) -> list[BlockManager]:
     return list(pools) if isinstance(pools, (list, tuple)) else [pools]
+
+
+def _add_hits(plan: StepPlan, names: list[int]) -> None:
+    plan.num_hits.append(len(names))
+    plan.hit_names.extend(names)
+
+
+def _add_events(plan: StepPlan, events) -> None:
+    plan.uncached_all = events.uncached_all
+    plan.cached_seq_ids = events.cached_seq_ids
+    plan.cached_index = events.cached_index
+    plan.cached_names = events.cached_names
+    plan.evicted_names = events.evicted_names
 
 
 def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int) -> None:

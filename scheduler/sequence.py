@@ -44,6 +44,11 @@ class Sequence:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     # One per output token, where the request asked for logprobs (else None).
     logprobs: list[TokenLogprob] | None = field(default=None, init=False)
+    # Prefix caching: the names of its full blocks of committed tokens, block 0 first, as
+    # far as they were needed (``specray.scheduler.prefix_cache``), and of its prompt, the
+    # tokens found cached when it was admitted before its first output.
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

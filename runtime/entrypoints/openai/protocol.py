@@ -270,9 +270,11 @@ class Choice:
     finish_reason: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    cached_tokens: int = 0          # of the prompt, the tokens the prefix cache held
 
     def add(self, delta) -> None:
         self.prompt_tokens = len(delta.prompt_token_ids)
+        self.cached_tokens = getattr(delta, "num_cached_tokens", 0)
         self.token_ids += delta.token_ids
         self.text += delta.text
         self.logprobs += getattr(delta, "logprobs", None) or []
@@ -285,7 +287,9 @@ def usage(choices: list[Choice], num_prompts: int, n: int) -> dict:
     # Each prompt counts once, however many samples answer it (OpenAI's accounting).
     prompt = sum(c.prompt_tokens for c in choices[::n]) if choices else 0
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.cached_tokens for c in choices[::n]) if choices else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def spec_figures(choices: list[Choice]) -> dict:

@@ -83,12 +83,15 @@ def test_responses_carry_usage_once_per_prompt_and_specrays_figures():
     choices = []
     for i, (text, ntok) in enumerate([("x", 2), ("yy", 3), ("z", 1), ("w", 4)]):
         c = api.Choice(i)
-        c.add(RequestOutput(str(i), [1] * (3 if i < 2 else 5), list(range(ntok)), text, "length", 4, 2))
+        c.add(RequestOutput(str(i), [1] * (3 if i < 2 else 5), list(range(ntok)), text, "length", 4, 2,
+                            num_cached_tokens=[0, 0, 4, 4][i]))
         choices.append(c)
     body = api.response(r, choices, {})
     assert body["object"] == "text_completion"
     assert [c["text"] for c in body["choices"]] == ["x", "yy", "z", "w"]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
+    # cached prompt tokens count once per prompt, as prompt_tokens do
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
     assert body["specray"] == {"num_draft_tokens": 16, "num_accepted_tokens": 8}
 
 
