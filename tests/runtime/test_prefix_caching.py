@@ -59,7 +59,7 @@ def test_shared_prefixes_equal_transformers_and_accept_alike_with_caching_on_and
                             num_speculative_tokens=3, block_size=4, device="cpu", dtype="float32",
                             enable_prefix_caching=caching)
         runs[caching] = serve_in_turns(cfg, waves)
-    for caching, (outs, m) in runs.items():
+    for caching, (outs, _) in runs.items():
         assert [o.token_ids for o in outs] == chat_reference, f"caching {caching}"
     (off, m_off), (on, m_on) = runs[False], runs[True]
     assert [o.num_cached_tokens for o in off] == [0] * 5 and m_off["prefix_cache_hits"] == 0
