@@ -23,6 +23,14 @@ cannot hold a sequence's slots the newest running sequence of that pool is preem
 sequence this step. Waiting requests join with what is left. Nothing is ever dropped: a
 preempted sequence goes back to the front of the queue with every token it emitted.
 
+Chunked prefill: a step feeds at most ``max_num_batched_tokens`` tokens, running
+sequences first (oldest first), then newcomers. A sequence with more tokens to feed than
+is left (a long prompt, a recompute) gets a chunk of what is left, in its target and (where
+its draft is in step) its draft worker: the chunk carries no proposals and the token the
+target samples after it is discarded; its next step goes on from there. Decoding
+sequences are never held back by the budget, and a sequence alone in its step is fed
+whole (chunks are there to keep others decoding).
+
 A step that fails is requeued the same way (``step_failed``), and its sequences are tried
 in smaller groups until the one that fails alone is found (``Quarantine``).
 
@@ -164,7 +172,7 @@ class Scheduler:
 
     def _draft_kv(self, seq: Sequence) -> BlockManager | None:
         """The draft pool whose KV the sequence's hits must cover: its draft worker's, while up."""
-        pool = self._draft_pool(seq)
+        pool = self._draft_pool(seq) if self.num_draft_ranks else None
         return pool if pool is not None and seq.draft_rank not in self.drafts_down else None
 
     def _lookup(self, seq: Sequence) -> int:
@@ -200,6 +208,16 @@ class Scheduler:
             if pool is not None and pool.has(seq.seq_id):
                 n = min(computed, seq.num_tokens) // bs
                 pool.cache_blocks(seq.seq_id, self._hashes(seq, n))
+
+    def _set_chunk(self, seq: Sequence, chunk: int) -> None:
+        """This step feeds ``chunk`` of the sequence's tokens (0: all). Its draft worker is
+        fed the same chunk where it holds exactly what the target does and has room for
+        the whole prompt (else it catches up once the sequence proposes)."""
+        seq.chunk_len = chunk
+        draft = self._draft_kv(seq) if chunk else None
+        if (draft is not None and seq.draft_computed == seq.target_computed
+                and draft.allocate_slots(seq.seq_id, seq.num_tokens)):
+            self._draft_slots[seq.seq_id] = seq.num_tokens
 
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         """``counted``: a preemption in the stats (not a failed step's requeue)."""
@@ -292,9 +310,16 @@ class Scheduler:
         decision = self._decide(free)
         proposal_lens = dict(zip((s.seq_id for s in free), decision.proposal_lens))
         queue = list(free)
+        budget = self.cache.max_num_batched_tokens
         while queue:
             seq = queue.pop(0)
-            proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+            pending = seq.num_tokens - seq.target_computed
+            chunk = 0
+            if pending > 1 and pending > budget and len(free) > 1:
+                if budget < 1:
+                    continue           # nothing left for its prefill this step: it keeps its blocks and waits
+                chunk = budget
+            proposal_len = self._reserve(seq, 0 if chunk else proposal_lens[seq.seq_id])
             while proposal_len is None:
                 same_pool = [s for s in queue if s.target_rank == seq.target_rank]
                 victim = same_pool[-1] if same_pool else seq
@@ -304,11 +329,12 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+                proposal_len = self._reserve(seq, 0 if chunk else proposal_lens[seq.seq_id])
             if proposal_len is not None:
+                self._set_chunk(seq, chunk)
                 batch.append((seq, proposal_len))
+                budget -= chunk or pending
 
-        budget = self.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
         t_load = [0] * len(self.target_pools)
         d_load = [0] * max(self.num_draft_ranks, 1)
         for s in self.running:
@@ -326,11 +352,15 @@ class Scheduler:
                 break   # every target worker is down: wait for one to come back
             hit = self._lookup(seq)
             cost = seq.num_tokens - max(seq.target_computed, hit * self.cache.block_size)
+            chunk = 0
             if batch and cost > budget:
-                break
+                if budget < 1:
+                    break
+                chunk = budget
             if hit:
                 self._take_hits(seq, hit)
-            proposal_len = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
+            proposal_len = self._reserve(seq, 0 if chunk else min(self.proposal_limit(seq),
+                                                                  decision.newcomer_proposal_len))
             if proposal_len is None:
                 if hit:
                     self._release(seq, tell=False)
@@ -346,8 +376,9 @@ class Scheduler:
                 self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._set_chunk(seq, chunk)
             batch.append((seq, proposal_len))
-            budget -= cost
+            budget -= chunk or cost
 
         if not batch:
             if self.waiting and not self.running and only is None and len(self.targets_down) < len(self.target_pools):
@@ -376,17 +407,17 @@ class Scheduler:
             t = seq.target_rank
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
-            _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len)
+            _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len, seq.chunk_len)
             _add_hits(t_plans[t], self.target_pools[t].take_hits(seq.seq_id))
             t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
-            if proposal_len:
+            if proposal_len or seq.seq_id in self._draft_slots:
                 d = seq.draft_rank
                 if d_plans[d] is None:
                     d_plans[d] = StepPlan(step_id=sid, width=width)
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 slots = self._draft_slots.pop(seq.seq_id, seq.step_len + proposal_len - 1)
-                _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len)
+                _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len, seq.chunk_len)
                 _add_hits(d_plans[d], self.draft_pools[d].take_hits(seq.seq_id) if self.draft_pools else [])
                 d_seqs[d].append(seq)
         for plan in t_plans:
@@ -486,6 +517,7 @@ class Scheduler:
         appended) per verdict. Finished sequences are released."""
         self._check_outcome(outcome)
         in_step = {s.seq_id: s for s in outcome.step.seqs}
+        chunked = self._chunks_done(outcome, in_step)
         out = []
         for v in outcome.verdicts:
             seq = in_step.pop(v.seq_id)
@@ -504,7 +536,7 @@ class Scheduler:
         if self.num_speculative_tokens:
             self.policy.observe(outcome)
         if self.cache.enable_prefix_caching:
-            for seq, _ in out:
+            for seq in [s for s, _ in out] + chunked:
                 self._register(seq)
         for seq, _ in out:
             if seq.finished:
@@ -513,6 +545,29 @@ class Scheduler:
                 self.stats.num_requests_finished += 1
         self.quarantine.passed(v.seq_id for v in outcome.verdicts)
         return out
+
+    def _chunks_done(self, outcome: StepOutcome, in_step: dict[int, Sequence]) -> list[Sequence]:
+        """Account the step's prefill chunks: their tokens are cached in the target (and
+        the draft, where it was fed them); their verdicts are dropped (the token sampled
+        after a chunk is not the sequence's: stats and the policy never see it). Returns
+        the chunked sequences still running."""
+        chunked, kept = [], []
+        for v in outcome.verdicts:
+            seq = in_step[v.seq_id]
+            if not seq.chunk_len:
+                kept.append(v)
+                continue
+            in_step.pop(v.seq_id)
+            self.stats.num_prefill_chunks += 1
+            drafted = any(seq in seqs for seqs in outcome.step.draft_seqs)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.target_computed += seq.chunk_len
+                if drafted and seq.draft_rank not in self.drafts_down:
+                    seq.draft_computed = seq.target_computed
+                chunked.append(seq)
+            seq.chunk_len = 0
+        outcome.verdicts = kept
+        return chunked
 
     def _check_outcome(self, outcome: StepOutcome) -> None:
         """What ``update`` would refuse, before it changes anything (a refused outcome is
@@ -587,12 +642,14 @@ def _add_events(plan: StepPlan, events) -> None:
     plan.evicted_names = events.evicted_names
 
 
-def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int) -> None:
+def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int, chunk: int = 0) -> None:
+    """``chunk``: feed only that many tokens (a prefill chunk), else all past ``computed``."""
     p = seq.params
+    end = computed + chunk if chunk else seq.num_tokens
     plan.seq_ids.append(seq.seq_id)
     plan.num_computed.append(computed)
-    plan.num_new.append(seq.num_tokens - computed)
-    plan.token_ids.extend(seq.tokens[computed:])
+    plan.num_new.append(end - computed)
+    plan.token_ids.extend(seq.tokens[computed:end])
     plan.num_slots.append(slots)
     plan.proposal_lens.append(proposal_len)
     plan.temperature.append(p.temperature)

@@ -38,6 +38,9 @@ class Sequence:
     # Set while a step is in flight: its length before the step, and its proposal_len.
     step_len: int = 0
     proposal_len: int = 0
+    # Set while a prefill chunk is in flight: the tokens it feeds (0: the step feeds all
+    # of tokens[num_computed:] and its emitted tokens count).
+    chunk_len: int = 0
     # Which target / draft worker holds this sequence's KV (sticky while it runs).
     target_rank: int = 0
     draft_rank: int = 0
@@ -77,6 +80,7 @@ class Sequence:
     def reset_computed(self) -> None:
         self.target_computed = 0
         self.draft_computed = 0
+        self.chunk_len = 0
 
     def truncate_output(self, output_len: int) -> None:
         """Keep the output's first ``output_len`` tokens (a stop string matched there):

@@ -164,7 +164,10 @@ class FakeWorker:
             del cache[c:]
             cache.extend(plan.token_ids[pos:pos + m])
             pos += m
-            assert cache == truth[sid], f"{self.name}: seq {sid} fed tokens do not complete its history"
+            # fed tokens complete its history, or (a prefill chunk) continue it
+            assert cache == truth[sid][:len(cache)], f"{self.name}: seq {sid} fed tokens do not continue its history"
+            assert len(cache) == len(truth[sid]) or plan.proposal_lens[i] == 0, \
+                f"{self.name}: seq {sid} proposes after a prefill chunk"
             assert bm.allocate_slots(sid, slots), f"{self.name}: worker pool out of blocks"
             assert c <= self.num_slots(sid), f"{self.name}: seq {sid} has fewer slots than computed"
             self.write(sid, c)
@@ -284,6 +287,8 @@ class Harness:
     # A second proposer beside the drafts (draft+suffix): where it is wrong, as draft_wrong
     # for the drafts; None: the drafts alone.
     suffix_wrong: Callable[[int, int], bool] | None = None
+    num_chunks: int = 0          # prefill chunks run
+    _chunks: set[int] = field(default_factory=set)   # this step's chunked sequences
 
     def __post_init__(self) -> None:
         assert len(self.targets) == len(self.sched.target_pools)
@@ -353,6 +358,7 @@ class Harness:
         for r in self.fail_targets:
             self.kill_target(r)
         self._truth = self.truth(step)
+        self._chunks = {s.seq_id for s in step.seqs if s.chunk_len}
         self._proposed, self._prob_rows, self._suffix_proposed = {}, [], {}
         self._running_on = {r: [s for s in sched.running if s.target_rank == r] for r in range(len(self.targets))}
         return step
@@ -374,7 +380,9 @@ class Harness:
         for d in outcome.lost_drafts:
             self._frees_d[d].clear()
         assert [s for s, _ in out] == [s for r, seqs in enumerate(step.target_seqs)
-                                       if r not in outcome.lost_targets for s in seqs]
+                                       if r not in outcome.lost_targets for s in seqs
+                                       if s.seq_id not in self._chunks]
+        self.num_chunks += len(self._chunks)
         for seq, appended in out:
             if seq.seq_id in self._proposed and self.drafts:
                 self.drafts[seq.draft_rank].judged[seq.seq_id] = seq.num_tokens
@@ -501,13 +509,16 @@ class Harness:
             for i, s in enumerate(seqs):
                 n = s.num_tokens
                 assert plan.num_computed[i] == s.target_computed
-                assert plan.num_new[i] == n - s.target_computed >= 1
+                assert plan.num_new[i] == (s.chunk_len or n - s.target_computed) >= 1
                 assert plan.num_slots[i] == n + s.proposal_len
+                assert not (s.chunk_len and s.proposal_len), "a prefill chunk proposes"
                 assert plan.proposal_lens[i] == s.proposal_len
         # draft plans: the rank's sequences that speculate this step, and its frees
         for d in range(D):
             seqs = step.draft_seqs[d]
-            assert seqs == [s for s in step.seqs if s.proposal_len > 0 and s.draft_rank == d]
+            # the sequences that propose, and prefill chunks fed to the draft too
+            assert seqs == [s for s in step.seqs if s.draft_rank == d and (s.proposal_len > 0 or
+                                                                         (s.chunk_len and s in seqs))]
             plan = step.draft_plans[d]
             frees = self._frees_d[d]
             if not seqs and not frees:
@@ -519,6 +530,10 @@ class Harness:
             assert plan.seq_ids == [s.seq_id for s in seqs]
             for i, s in enumerate(seqs):
                 assert plan.num_computed[i] == s.draft_computed
+                if s.chunk_len:
+                    assert plan.num_computed[i] == s.target_computed and plan.num_new[i] == s.chunk_len
+                    assert plan.num_slots[i] == s.num_tokens
+                    continue
                 assert plan.num_slots[i] == s.num_tokens + s.proposal_len - 1
                 assert plan.proposal_lens[i] == s.proposal_len
 
