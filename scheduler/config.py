@@ -53,7 +53,7 @@ class CacheConfig:
         "help": "prefill budget per step for newly admitted requests"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of full blocks of a prompt prefix already computed (in every model: target and "
-                "draft) instead of computing it again (docs/prefix_caching.md)"})
+                "draft) instead of computing it again (docs/prefix-caching.md)"})
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "help": "on CUDA, the fraction of one GPU's total memory a worker may hold: weights, KV cache, CUDA "
                 "graphs, activations (co-located: the driver's workers together) (default: 0.9 times the part "

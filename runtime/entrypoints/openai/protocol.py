@@ -123,6 +123,9 @@ def _common(body: object, kind: str, served: str, max_model_len: int) -> tuple[d
     extra = {}
     if body.get("speculation") is not None:
         extra["speculation"] = _get(body, "speculation", (bool,))
+    if body.get("cache_salt") is not None:
+        # vLLM's extra: requests share cached prompt prefixes only with the same salt.
+        extra["cache_salt"] = _get(body, "cache_salt", (str,))
     fields = dict(max_tokens=max_tokens, temperature=_get(body, "temperature", (int, float), 1.0),
                   top_p=_get(body, "top_p", (int, float), 1.0), top_k=_get(body, "top_k", (int,), 0),
                   seed=_get(body, "seed", (int,)), stop_token_ids=_get(body, "stop_token_ids", (list,), []),

@@ -54,6 +54,8 @@ def test_choices_run_prompt_by_sample_with_seeds_counting_up():
     ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "speculation": "no"}, "speculation"),
+    ({"prompt": "x", "cache_salt": 7}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_fields_are_refused_naming_them(body, param):
     with pytest.raises(api.ApiError) as e:
@@ -116,3 +118,8 @@ def test_client_errors_are_invalid_request_errors_and_server_ones_server_errors(
     assert [api.ApiError(s, "m").type for s in (400, 401, 404, 413, 415, 429, 500, 503)] == [
         "invalid_request_error", "invalid_request_error", "not_found_error", "invalid_request_error",
         "invalid_request_error", "rate_limit_error", "server_error", "service_unavailable"]
+
+
+def test_cache_salt_reaches_sampling_params():
+    assert completion(prompt="x", cache_salt="tenant-a").params[0].cache_salt == "tenant-a"
+    assert completion(prompt="x").params[0].cache_salt is None
