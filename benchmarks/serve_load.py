@@ -14,7 +14,13 @@ shared ~400-token system prompt, conversations of 3-5 turns, each turn's prompt 
 conversation so far) at each concurrency, once on a runtime with prefix caching and once
 on one without, through HTTP and the handle alternately; ``--target``/``--draft``/
 ``--proposer`` pick the models (default: the built-in pair with its draft), e.g.
-``--target smollm2 --proposer ngram`` after ``specray models fetch smollm2``."""
+``--target smollm2 --proposer ngram`` after ``specray models fetch smollm2``.
+
+``--prompts long``: chunked prefill (``specray.runtime.bench.long_arrival``): 8 streams
+decode and a ``--long-tokens`` prompt arrives among them, on a runtime whose step budget
+is ``--chunk-budget`` tokens (chunked) and on one whose budget holds the whole prompt;
+reported per runtime: the streams' inter-token latency p50/p99 and the long request's
+TTFT, ``--repeats`` times (handle only)."""
 
 from __future__ import annotations
 
@@ -193,6 +199,28 @@ def chat_main(args, levels, tok, target, draft, proposer) -> list[dict]:
     return results
 
 
+def long_main(args, tok, target, draft) -> list[dict]:
+    """8 streams and a long prompt, on a chunked runtime and on one that prefills whole."""
+    from specray import RuntimeConfig, SpecRuntime
+    from specray.runtime.bench.long_arrival import run_long_arrival
+
+    results = []
+    for budget in (args.chunk_budget, max(8192, 2 * args.long_tokens)):
+        rt = SpecRuntime(RuntimeConfig(target=target, draft=draft, proposer=args.proposer,
+                                       num_speculative_tokens=args.k, max_num_batched_tokens=budget))
+        try:
+            run_long_arrival(rt, tok, 2, 8, 32, 0.0)                                  # warm-up
+            runs = [run_long_arrival(rt, tok, 8, args.max_tokens, args.long_tokens, 0.5) for _ in range(args.repeats)]
+        finally:
+            rt.shutdown()
+        med = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+        results.append(dict(max_num_batched_tokens=budget, runs=runs))
+        print(f"long prompt ({args.long_tokens} tokens) among 8 streams, max_num_batched_tokens={budget}: itl "
+              f"{med['itl_p50_ms']:.2f}/{med['itl_p99_ms']:.2f} ms (p99/p50 {med['itl_p99_over_p50']:.2f}), "
+              f"long TTFT {med['long_ttft_ms']:.0f} ms", flush=True)
+    return results
+
+
 def model_path(name: str) -> str:
     """A model directory, or the name of a model ``specray models fetch`` stored."""
     from specray.runtime import model_store
@@ -221,9 +249,13 @@ def main():
     ap.add_argument("--speculation", default="on", help="on, off or on,off")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prompts", default="code", choices=["code", "chat"],
+    ap.add_argument("--prompts", default="code", choices=["code", "chat", "long"],
                     help="code: held-out snippets, one request each; chat: multi-turn conversations after a "
-                         "shared system prompt, with prefix caching on and off")
+                         "shared system prompt, with prefix caching on and off; long: a long prompt arriving "
+                         "among decoding streams, with chunked prefill and without")
+    ap.add_argument("--long-tokens", type=int, default=1500, help="--prompts long: the long prompt's tokens")
+    ap.add_argument("--chunk-budget", type=int, default=256,
+                    help="--prompts long: max_num_batched_tokens of the chunked runtime")
     ap.add_argument("--target", default=None, help="default: the built-in tiny target (a stored name or a path)")
     ap.add_argument("--draft", default=None, help="default: the built-in draft with the built-in target")
     ap.add_argument("--proposer", default="draft")
@@ -238,6 +270,19 @@ def main():
 
     load = [os.getloadavg()]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if args.prompts == "long":
+        target = model_path(args.target) if args.target else builtin_model("tiny-target")
+        draft = None if args.proposer not in ("draft", "draft+suffix") else (
+            model_path(args.draft) if args.draft else builtin_model("tiny-draft"))
+        try:
+            results = long_main(args, AutoTokenizer.from_pretrained(target), target, draft)
+        finally:
+            ray.shutdown()
+        print("load", load + [os.getloadavg()])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(results=results, args=vars(args)), f, indent=1)
+        return
     if args.prompts == "chat":
         target = model_path(args.target) if args.target else builtin_model("tiny-target")
         draft = None if args.proposer not in ("draft", "draft+suffix") else (
