@@ -50,7 +50,8 @@ class CacheConfig:
         "help": "KV blocks per worker (default: enough for max_num_seqs at full length, within memory)"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step, at most"})
     max_num_batched_tokens: int = field(default=8192, metadata={
-        "help": "prefill budget per step for newly admitted requests"})
+        "help": "tokens a step feeds at most: running sequences first, then newcomers; a prompt longer than what "
+                "is left is prefilled in chunks over several steps while the others decode (docs/prefix-caching.md)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of full blocks of a prompt prefix already computed (in every model: target and "
                 "draft) instead of computing it again (docs/prefix-caching.md)"})
