@@ -543,7 +543,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self._release(seq)
                 self.stats.num_requests_finished += 1
-        self.quarantine.passed(v.seq_id for v in outcome.verdicts)
+        self.quarantine.passed([v.seq_id for v in outcome.verdicts] + [seq.seq_id for seq in chunked])
         return out
 
     def _chunks_done(self, outcome: StepOutcome, in_step: dict[int, Sequence]) -> list[Sequence]:
