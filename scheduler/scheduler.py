@@ -41,9 +41,10 @@ its logits); it starts with those blocks in both pools (``num_computed`` = their
 each), so the draft's KV is restored with the target's and acceptance is what it is
 without the cache. A head that keeps KV in the target's process (EAGLE) reads the target's
 tables: its seam is ``hit_margin``, blocks a hit gives back where such KV at a position
-depends on the next token. Blocks are named once their committed tokens' K/V is written
-(``update``: below ``target_computed`` in the target pool, ``draft_computed`` in the draft
-pool), never lookahead or unverified proposals. Finished, aborted and preempted sequences
+depends on the next token (``specray.scheduler.prefix_cache.PrefixCache``). Blocks are
+named once their committed tokens' K/V is written (``update``: below ``target_computed``
+in the target pool, ``draft_computed`` in the draft pool), never lookahead or unverified
+proposals. Finished, aborted and preempted sequences
 free their blocks into the cache, so a preempted sequence's recompute is mostly a hit.
 """
 
@@ -54,7 +55,7 @@ from collections import deque
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import StepPlan
-from specray.scheduler.prefix_cache import extend_hashes, root_hash
+from specray.scheduler.prefix_cache import PrefixCache
 from specray.scheduler.quarantine import Quarantine
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
@@ -98,8 +99,7 @@ class Scheduler:
         self.drafts_down: set[int] = set()   # draft workers lost and not back yet
         self.targets_down: set[int] = set()  # target workers lost and not back yet
         self.quarantine = Quarantine()       # sequences of failed steps, run apart until cleared
-        self.prefix_cache_key = prefix_cache_key
-        self.hit_margin = hit_margin
+        self.prefix_cache = PrefixCache(prefix_cache_key, cache.block_size, hit_margin)
         for pool in self.target_pools + self.draft_pools:
             pool.enable_prefix_caching = cache.enable_prefix_caching
 
@@ -163,51 +163,16 @@ class Scheduler:
         return proposal_len
 
     # -- prefix caching ------------------------------------------------------------
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The names of the sequence's first ``num_blocks`` full blocks."""
-        if len(seq.block_hashes) < num_blocks:
-            extend_hashes(seq.block_hashes, root_hash(self.prefix_cache_key, seq.params.cache_salt),
-                          seq.tokens, num_blocks, self.cache.block_size)
-        return seq.block_hashes[:num_blocks]
-
     def _draft_kv(self, seq: Sequence) -> BlockManager | None:
         """The draft pool whose KV the sequence's hits must cover: its draft worker's, while up."""
         pool = self._draft_pool(seq) if self.num_draft_ranks else None
         return pool if pool is not None and seq.draft_rank not in self.drafts_down else None
 
     def _lookup(self, seq: Sequence) -> int:
-        """Blocks of a newcomer's prompt cached for every model it runs on (at most all
-        but its last token: the step needs that token's logits). Changes nothing."""
-        if not self.cache.enable_prefix_caching or self.target_pools[seq.target_rank].has(seq.seq_id):
+        target = self.target_pools[seq.target_rank]
+        if not self.cache.enable_prefix_caching or target.has(seq.seq_id):
             return 0
-        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.cache.block_size)
-        hit = self.target_pools[seq.target_rank].cached_prefix(hashes)
-        draft = self._draft_kv(seq)
-        if draft is not None:
-            hit = draft.cached_prefix(hashes[:hit])
-        return max(hit - self.hit_margin, 0)
-
-    def _take_hits(self, seq: Sequence, hit: int) -> None:
-        """Start a newcomer with its ``hit`` cached blocks in its target and draft pools
-        (taking cached blocks always fits: they need no new block)."""
-        hashes = self._hashes(seq, hit)
-        num_slots = hit * self.cache.block_size
-        assert self.target_pools[seq.target_rank].allocate_slots(seq.seq_id, num_slots, hits=hashes)
-        seq.target_computed = num_slots
-        draft = self._draft_kv(seq)
-        if draft is not None:
-            assert draft.allocate_slots(seq.seq_id, num_slots, hits=hashes)
-            seq.draft_computed = num_slots
-
-    def _register(self, seq: Sequence) -> None:
-        """Name the sequence's full blocks of committed tokens whose K/V each worker wrote
-        (the draft's only as far as it computed)."""
-        bs = self.cache.block_size
-        for pool, computed in ((self.target_pools[seq.target_rank], seq.target_computed),
-                               (self._draft_kv(seq), seq.draft_computed)):
-            if pool is not None and pool.has(seq.seq_id):
-                n = min(computed, seq.num_tokens) // bs
-                pool.cache_blocks(seq.seq_id, self._hashes(seq, n))
+        return self.prefix_cache.lookup(seq, target, self._draft_kv(seq))
 
     def _set_chunk(self, seq: Sequence, chunk: int) -> None:
         """This step feeds ``chunk`` of the sequence's tokens (0: all). Its draft worker is
@@ -358,7 +323,7 @@ class Scheduler:
                     break
                 chunk = budget
             if hit:
-                self._take_hits(seq, hit)
+                self.prefix_cache.take_hits(seq, hit, self.target_pools[seq.target_rank], self._draft_kv(seq))
             proposal_len = self._reserve(seq, 0 if chunk else min(self.proposal_limit(seq),
                                                                   decision.newcomer_proposal_len))
             if proposal_len is None:
@@ -537,7 +502,7 @@ class Scheduler:
             self.policy.observe(outcome)
         if self.cache.enable_prefix_caching:
             for seq in [s for s, _ in out] + chunked:
-                self._register(seq)
+                self.prefix_cache.register(seq, self.target_pools[seq.target_rank], self._draft_kv(seq))
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)
