@@ -21,7 +21,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     num_requests_finished: int = 0
-    prefix_cache_queries: int = 0    # prompt tokens looked up in the prefix cache, per admission
+    prefix_cache_queries: int = 0    # tokens looked up in the prefix cache: a sequence's at each admission
     prefix_cache_hits: int = 0       # of those, the tokens found cached (not computed)
     num_prefill_chunks: int = 0      # steps that fed a sequence part of its prompt (chunked prefill)
     busy_s: float = 0.0              # wall time spent inside steps
