@@ -29,7 +29,7 @@ COUNTERS = {
     "num_preemptions": "sequences preempted",
     "num_requests_finished": "requests finished",
     "num_requests_aborted": "requests their clients abandoned (freed before the next step)",
-    "prefix_cache_queries": "tokens looked up in the prefix cache: a sequence's at each admission (again after a preemption)",
+    "prefix_cache_queries": "tokens looked up in the prefix cache, a sequence's at each admission",
     "prefix_cache_hits": "tokens found in the prefix cache (their KV not computed)",
 }
 
