@@ -100,6 +100,14 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Free blocks holding no cached content (a worker's pool takes new blocks only from these)."""
+        return len(self._free)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

@@ -131,16 +131,16 @@ class KVCache:
         bm = self.blocks
         keyed_by_plan = {bm.block_table(s)[j]: n for s, j, n in
                          zip(plan.cached_seq_ids, plan.cached_index, plan.cached_names)}
-        empty = len(bm._free) + (len(bm._evictable) if plan.uncached_all else 0)
+        empty = bm.num_empty_blocks + (bm.num_free_blocks - bm.num_empty_blocks if plan.uncached_all else 0)
         freed = bm.blocks_freed_by(plan.free_seq_ids)
-        free_after = set(freed) | set(bm._evictable)
+        freed_now = set(freed)
         named = {n: b for b, n in keyed_by_plan.items()}
         for b in freed:
             if b not in keyed_by_plan and (plan.uncached_all or bm.key_of(b) is None):
                 empty += 1
         for name in plan.evicted_names:
             b = named.get(name, None if plan.uncached_all else bm.block_of(name))
-            if b is None or b not in free_after:
+            if b is None or not (b in freed_now or bm.is_evictable(b)):
                 raise RuntimeError(f"the driver evicts {name}, which this worker does not hold free: "
                                    "the driver's mirror disagrees with this worker")
             empty += 1
