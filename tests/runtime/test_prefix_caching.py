@@ -72,3 +72,15 @@ def test_shared_prefixes_equal_transformers_and_accept_alike_with_caching_on_and
     assert [(o.num_draft_tokens, o.num_accepted_tokens) for o in on] == \
         [(o.num_draft_tokens, o.num_accepted_tokens) for o in off]
     assert m_on["num_draft_tokens"] > 0
+
+
+def test_a_small_pool_shares_evicts_and_preempts_and_still_equals_transformers(llama_pair, chat_reference):
+    """Five shared-prefix prompts at once in pools of 24 blocks (96 slots): they share the
+    prefix's blocks, outgrow the pool, are preempted and recomputed from the cache."""
+    t, d = llama_pair
+    cfg = RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, num_kv_blocks=24, device="cpu",
+                        dtype="float32")
+    ps = chat_prompts()
+    outs, m = serve_in_turns(cfg, [ps[:1], ps[1:]])
+    assert [o.token_ids for o in outs] == chat_reference
+    assert m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
