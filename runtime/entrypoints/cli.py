@@ -11,7 +11,7 @@ import time
 
 from specray.runtime.entrypoints import models_cli, serve
 from specray.runtime.entrypoints.batch import job as batch
-from specray.runtime.entrypoints.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
+from specray.runtime.entrypoints.cli_args import add_model_args, installed_builtin, runtime_config, sampling_default
 
 
 def cmd_generate(args) -> int:
@@ -47,9 +47,9 @@ def cmd_bench(args) -> int:
     from specray.runtime.bench.run import run_bench
     from specray.runtime.bench.settings import BenchSettings
 
-    target = args.target or builtin_model("tiny-target")
+    target = args.target or installed_builtin("tiny-target")
     # A target given alone is benched without a draft: n-gram and plain decoding only.
-    draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
+    draft = args.draft or (installed_builtin("tiny-draft") if args.target is None else None)
     if target is None or (args.target is None and draft is None):
         raise SystemExit("bench needs --target (and --draft, for the draft runs), or the built-in pair")
     if args.random_draft and draft is None:
