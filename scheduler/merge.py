@@ -11,7 +11,8 @@ its own per-sequence lengths, land in one batch::
 
 ``draft_rows`` indexes the concatenation of the shards' probability tensors in shard
 order, and is -1 for sequences without proposals or whose shard sent no probabilities
-(deterministic proposals such as n-gram lookups, which the sampler treats as one-hot).
+for them (deterministic proposals such as n-gram lookups, which the sampler treats as
+one-hot; a row whose ``Proposals.prob_rows`` entry is -1).
 With several target workers a shard also holds other workers' sequences: they are
 skipped, but their rows still count, since the target receives whole probability tensors.
 """
@@ -45,7 +46,9 @@ def merge_proposals(plan: StepPlan, shards: list[Proposals], picks: dict[int, in
             lens[i] = length
             tokens[i * width:i * width + length] = shard.token_ids[r * width:r * width + length]
             if shard.has_probs and length:
-                rows[i] = row_offset + (shard.prob_rows[r] if shard.prob_rows else r)
+                row = shard.prob_rows[r] if shard.prob_rows else r
+                if row >= 0:
+                    rows[i] = row_offset + row
         if shard.has_probs:
             row_offset += shard.num_prob_rows or len(shard.seq_ids)
     return replace(plan, proposal_token_ids=tokens, proposal_lens=lens, draft_rows=rows)

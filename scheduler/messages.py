@@ -127,7 +127,8 @@ class Proposals:
     token_ids: list[int] = _packed("i")
     # Where each sequence's draft probabilities sit in the probabilities sent with these
     # proposals (empty: row i is sequence i's) and how many rows those hold (0: n): a
-    # window taken from a pre-draft points into the pre-draft's rows.
+    # window taken from a pre-draft points into the pre-draft's rows; -1: this row's
+    # proposal has none (one-hot: another proposer's, chosen in a merge).
     prob_rows: list[int] = _packed("i")
     num_prob_rows: int = _scalar(int, 0)
     scores: list[float] = _packed("d")
@@ -136,7 +137,7 @@ class Proposals:
         n = len(self.seq_ids)
         _expect(self.width >= 0, f"Proposals.width must be >= 0, got {self.width}")
         _expect(len(self.prob_rows) in (0, n), "Proposals.prob_rows does not match seq_ids")
-        _expect(all(0 <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
+        _expect(all(-1 <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
                 "Proposals.prob_rows outside the probabilities' rows")
         _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
         _expect(len(self.token_ids) == n * self.width,
