@@ -135,11 +135,12 @@ def _leave_to_suffix(plan: StepPlan, beside: Proposals, worth: list[float]) -> S
 
 def _with_rows(props: Proposals, beside: Proposals, picks: dict[int, int]) -> Proposals:
     """``props`` with the rows ``picks`` gives to ``beside`` (index 1) taken from it: the
-    same grid, and those rows marked as carrying no probabilities (one-hot)."""
+    same grid, and those rows marked as carrying no probabilities (one-hot, where the
+    model's rows say where their probabilities are or that the target makes them)."""
     w, bw = props.width, beside.width
     row_of = {sid: r for r, sid in enumerate(beside.seq_ids)}
     lens, tokens = list(props.proposal_lens), list(props.token_ids)
-    rows = (list(props.prob_rows) or list(range(len(props.seq_ids)))) if props.has_probs else []
+    rows = list(props.prob_rows) or (list(range(len(props.seq_ids))) if props.has_probs else [])
     for r, sid in enumerate(props.seq_ids):
         if picks[sid] != 1:
             continue
