@@ -1,17 +1,21 @@
 """The one proposer contract (``specray.scheduler.proposers.proposer``) through the real
 ``Engine``: a proposer of the test's own, the draft model's ranks and the draft+suffix
 merge are driven by the same path; and ``metrics()["acceptance_by_position"]`` against
-per-position counts the fake target makes from the tokens themselves."""
+per-position counts made from the tokens the target verified (fake targets, and the real
+proposers over the real target worker)."""
 
 from __future__ import annotations
 
 import pytest
 from engine_harness import MIXED, Harness, V, add_requests, assert_matches_reference, build, default_wrong, true_next
 
+from specray.runtime.config import RuntimeConfig
+from specray.runtime.driver.core import DriverCore
 from specray.runtime.engine.core import Engine
 from specray.runtime.transport.worker_call import WorkerLost
 from specray.scheduler.messages import Proposals, StepPlan
 from specray.scheduler.proposers.proposer import Proposer
+from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import StepOutcome
 
@@ -150,3 +154,40 @@ def test_acceptance_by_position_counts_every_proposer(proposer):
     rates = eng.sched.stats.as_dict()["acceptance_by_position"]
     assert rates == pytest.approx(counts.rates()) and len(rates) == 3
     assert all(0 < r < 1 for r in rates)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "suffix", "draft+suffix"])
+def test_acceptance_by_position_of_the_real_proposers(llama_pair, proposer):
+    """The real proposers and the target worker in process: the figures equal what the
+    target's verify calls show, counted from their tokens (greedy: a proposal is kept
+    exactly where it equals the token the target emits at its position)."""
+    t, d = llama_pair
+    k = 3
+    cfg = RuntimeConfig(target=t, draft=d if "draft" in proposer else None, proposer=proposer,
+                        num_speculative_tokens=k, block_size=4, device="cpu", dtype="float32", layout="colocated")
+    drv = DriverCore(cfg, export_metrics=False)
+    proposed, accepted = [0] * k, [0] * k
+    try:
+        call = drv.engine.verifiers[0]
+        verify = call.fn
+
+        def counted(plan, probs):
+            result = verify(plan, probs)
+            pos = 0
+            for i in range(len(result.seq_ids)):
+                n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+                props = plan.proposal_token_ids[i * plan.width:i * plan.width + n]
+                emitted = result.token_ids[pos:pos + result.num_emitted[i]]
+                pos += result.num_emitted[i]
+                for j in range(n):
+                    proposed[j] += 1
+                    accepted[j] += props[:j + 1] == emitted[:j + 1]
+            return result
+        call.fn = counted
+        prompts = [[5, 6, 7, 5, 6, 7], [8, 9, 10, 11], [1, 2, 1, 2, 1]] * 2     # repeats: suffix proposes
+        drv.wait(drv.submit(prompts, [SamplingParams(max_tokens=24, temperature=0.0)] * 6).request_ids, timeout=120)
+        m = drv.metrics(workers=False)
+    finally:
+        drv.shutdown()
+    assert sum(proposed) == m["num_draft_tokens"] > 0
+    assert m["acceptance_by_position"] == pytest.approx([a / p if p else 0.0 for a, p in zip(accepted, proposed)])
