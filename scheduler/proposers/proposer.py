@@ -7,7 +7,9 @@ A proposer lives where its inputs are:
   driver's process (``specray.runtime.transport.draft_proposer.DraftModelProposer``);
 - n-gram lookup and suffix decoding in the driver's process, beside the scheduler
   (``HostProposer``: ``ngram``, ``suffix``);
-- a head that reads the target's hidden states (EAGLE) in the target worker's process;
+- a head that reads the target's hidden states (EAGLE) in the target worker's process:
+  its proposals are made inside the target's verify call (``in_target.InTargetProposer``
+  asks, ``specray.workers.in_target_head`` is the target's side);
 - two of them merged per sequence (``merged.MergedProposer``), itself a proposer.
 
 Ranks. A proposer that runs on several workers has one rank per worker, and the scheduler
