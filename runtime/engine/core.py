@@ -53,7 +53,7 @@ class Engine:
         ``StepResult``. When every target worker has been down for
         ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
         times the phases (a replay passes a simulated one). ``overlap``: a proposer that
-        can pre-drafts the next window while the target verifies."""
+        can (``Proposer.can_predraft``) pre-drafts the next window while the target verifies."""
         self.scheduler = scheduler
         self.proposer = proposer
         self.clock = clock

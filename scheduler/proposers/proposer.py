@@ -51,6 +51,7 @@ class Proposer(ABC):
     """What every proposer does: ``submit`` and ``wait`` are its own; the other methods'
     bodies are what a proposer that needs nothing more does."""
 
+    # Draft plans a step has for it: one per worker it runs on (the scheduler's draft ranks).
     num_ranks: int = 1
     # Whether it can pre-draft the next window while the target verifies
     # (``submit_predraft``, ``submit_adopt``, ``wait_predraft``): the draft model's workers.
