@@ -54,8 +54,9 @@ class SpecStats:
         self.num_emitted_tokens += outcome.emitted
         self.num_draft_tokens += outcome.proposed
         self.num_accepted_tokens += outcome.accepted
-        for v in outcome.verdicts:
-            self._record_positions(v.proposed, v.accepted)
+        if self.num_speculative_tokens:
+            for v in outcome.verdicts:
+                self._record_positions(v.proposed, v.accepted)
         planned = sum(s.proposal_len for s in outcome.step.seqs)
         self.last_mean_proposal_len = planned / len(outcome.step.seqs) if outcome.step.seqs else 0.0
         if self.num_speculative_tokens and planned == 0:
