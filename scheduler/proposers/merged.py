@@ -1,5 +1,6 @@
-"""Two proposers merged per sequence, as one proposer: a model (the draft model, or
-later an EAGLE head) and suffix decoding beside it (``proposer="draft+suffix"``).
+"""Two proposers merged per sequence, as one proposer: a model (the draft model, or a head
+in the target's process, ``in_target``) and suffix decoding beside it
+(``proposer="draft+suffix"``).
 
 Both propose for every drafting sequence where the suffix's proposal could win, and each
 rank hands back one proposal per sequence: the one expected to have more tokens accepted
