@@ -14,8 +14,9 @@ regex or grammar, or a schema feature llguidance does not implement, is a ``Valu
 whose message begins ``structured_output.<kind>`` and says what is wrong. Checking needs no
 tokenizer; the driver checks once more against the target's (``workers.grammar``).
 
-A spec travels to the workers as ``key``: canonical JSON text of ``{kind: value}``, the
-same bytes for equal specs (workers cache their compiled grammars by it).
+A spec travels to the workers as ``key``: compact JSON text of ``{kind: value}``, keys in
+their given order (a JSON schema's properties are written in the order it lists them);
+workers cache their compiled grammars by it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class StructuredOutput:
             if not all(isinstance(x, str) and x for x in value):
                 raise ValueError("structured_output.choice entries must be non-empty strings")
             object.__setattr__(self, "choice", list(value))
-        key = json.dumps({kind: getattr(self, kind)}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # Keys keep their order: a schema's property order is the order the answer writes them in.
+        key = json.dumps({kind: getattr(self, kind)}, separators=(",", ":"), ensure_ascii=False)
         if len(key) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_output.{kind} is {len(key)} characters; at most {MAX_SPEC_CHARS}")
         object.__setattr__(self, "_key", key)     # not a field: asdict() gives the five kinds only

@@ -58,7 +58,10 @@ class GrammarTokenizer:
         ValueError naming structured_output."""
         eos = eos_ids or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else None)
         if getattr(hf_tokenizer, "backend_tokenizer", None) is not None:
-            return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size)
+            try:
+                return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size)
+            except ValueError as e:      # llguidance knows byte-level BPE and similar decoders, not all
+                raise ValueError(f"structured_output cannot use the model's tokenizer: {e}") from None
         offset = len(hf_tokenizer) - 256
         if offset < 0 or hf_tokenizer("az", add_special_tokens=False)["input_ids"] != [ord("a") + offset,
                                                                                          ord("z") + offset]:
@@ -99,6 +102,19 @@ def tokenizer_for(path: str, vocab_size: int) -> GrammarTokenizer:
 
     eos = model_loader.eos_token_ids(model_loader.load_config(path))
     return GrammarTokenizer.build(model_loader.load_tokenizer(path), vocab_size, eos or None)
+
+
+def check_for_model(spec: StructuredOutput, path: str, vocab_size: int) -> None:
+    """Refuses (``ValueError`` naming structured_output) a spec the model at ``path``
+    cannot follow: its tokenizer is not one a grammar can drive, or the grammar is
+    invalid against its vocabulary. The driver asks before it admits a request."""
+    try:
+        tokenizer = tokenizer_for(path, vocab_size)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no tokenizer at all: transformers' own error types
+        raise ValueError(f"structured_output needs the target's tokenizer: {type(e).__name__}: {e}") from None
+    check_grammar(spec, tokenizer.ll)
 
 
 @functools.lru_cache(maxsize=256)
