@@ -94,6 +94,12 @@ def test_greedy_under_a_grammar_is_the_same_with_every_proposer_and_equals_plain
                     import jsonschema
                     jsonschema.validate(json.loads(o.text), SCHEMA)
     assert accepted["draft"] > 0          # the masked draft's proposals are taken
+    if "json" in spec:
+        # A pool too small for all of them: sequences are preempted and recomputed, and
+        # their matchers follow (a plan brings each one's whole output).
+        outs, m = run_local(config("draft", block_size=4, num_kv_blocks=22), PROMPTS * 2, params)
+        assert m["num_preemptions"] > 0
+        assert [o.token_ids for o in outs] == expected * 2
 
 
 @torch.no_grad()
