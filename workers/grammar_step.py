@@ -51,23 +51,19 @@ class GrammarSide:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specray-grammar")
 
-        def masks():
-            t0 = time.perf_counter()
-            return book.verify_masks(plan, proposal_lens), time.perf_counter() - t0
-
-        self._pending = self._pool.submit(masks)
+        self._pending = self._pool.submit(book.verify_masks, plan, proposal_lens)
         return self._pending
 
     def finish_verify_masks(self, started: Future | None, logits: torch.Tensor) -> float:
         """Waits for the masks and applies them to the verify pass's ``logits``
-        ``[sum(proposal_lens) + n, V]``; returns the seconds they took on the host."""
+        ``[sum(proposal_lens) + n, V]``; returns the seconds this added to the step (what
+        was left of filling them once the forward was done, and applying them)."""
         if started is None:
             return 0.0
-        self._pending = None
-        bm, seconds = started.result()
         t0 = time.perf_counter()
-        apply_bitmask(logits, bm)
-        return seconds + time.perf_counter() - t0
+        self._pending = None
+        apply_bitmask(logits, started.result())
+        return time.perf_counter() - t0
 
     def _settle(self) -> None:
         # A step that raised under its masks' thread: that thread finishes (and rolls its
