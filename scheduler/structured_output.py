@@ -75,7 +75,10 @@ class StructuredOutput:
                 raise ValueError("structured_output.choice entries must be non-empty strings")
             object.__setattr__(self, "choice", list(value))
         # Keys keep their order: a schema's property order is the order the answer writes them in.
-        key = json.dumps({kind: getattr(self, kind)}, separators=(",", ":"), ensure_ascii=False)
+        try:
+            key = json.dumps({kind: getattr(self, kind)}, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as e:     # not JSON, or nested past the stack
+            raise ValueError(f"structured_output.{kind} is not JSON-serialisable: {type(e).__name__}") from None
         if len(key) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_output.{kind} is {len(key)} characters; at most {MAX_SPEC_CHARS}")
         object.__setattr__(self, "_key", key)     # not a field: asdict() gives the five kinds only
