@@ -81,7 +81,7 @@ def test_greedy_under_a_grammar_is_the_same_with_every_proposer_and_equals_plain
     params = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec)
     expected = [masked_greedy(hf_target, ids(p), spec, 48) for p in PROMPTS]
     accepted = {}
-    for proposer in ("none", "draft", "ngram", "suffix"):
+    for proposer in ("none", "draft", "ngram", "suffix", "draft+suffix"):
         outs, m = run_local(config(proposer), PROMPTS, params)
         assert [o.token_ids for o in outs] == expected, proposer
         accepted[proposer] = m["num_accepted_tokens"]
