@@ -96,7 +96,12 @@ class DraftMasks:
     A row stops being masked after it proposes an end (EOS), or where the grammar allows
     nothing the draft scores (a draft with a smaller vocabulary): its q is then the
     unmasked one it really samples from, and the target rejects what it must. ``close``
-    rolls every matcher back to where the call found it."""
+    rolls every matcher back to where the call found it.
+
+    The seam for any proposer that samples pass by pass in a worker (the draft model's
+    ``_passes``; an EAGLE head's loop likewise): ``GrammarSide.draft_masks(plan, scored)``
+    once per call, ``mask(p, rows, logits, proposals)`` before each pass samples, and the
+    ``q`` it returns computed from the masked logits; ``close()`` at the end."""
 
     def __init__(self, book: GrammarBook, matchers: list, scored: int) -> None:
         self.book = book
