@@ -192,3 +192,24 @@ def test_the_built_in_pair_answers_chat_with_its_template():
     assert out.prompt_token_ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                            return_dict=False)
     assert out.text.startswith("{")
+
+
+def test_a_resumed_request_re_advances_its_grammar_from_its_tokens():
+    """A driver's fail-over resumes a request from the tokens its client held: the new
+    sequence's matchers start from those tokens, and the answer is the uninterrupted one."""
+    from specray.runtime.driver.core import DriverCore
+    from specray.runtime.driver.resume import Resume
+
+    params = SamplingParams(max_tokens=48, temperature=0.0, seed=5, structured_output={"json": SCHEMA})
+    drv = DriverCore(config("draft").replace(layout="colocated"))
+    try:
+        (whole,) = drv.wait(drv.submit([PROMPTS[0]], [params]).request_ids, timeout=300)
+        assert whole.finish_reason == "stop" and len(whole.token_ids) > 12
+        resume = Resume(prompt_token_ids=list(whole.prompt_token_ids), token_ids=whole.token_ids[:9])
+        reply = drv.submit([PROMPTS[0]], [params], resumes=[resume])
+        assert reply.error is None, reply.error
+        (rest,) = drv.wait(reply.request_ids, timeout=300)
+    finally:
+        drv.shutdown()
+    # Its output counts the held tokens too, as the client's request it is.
+    assert rest.token_ids == whole.token_ids and rest.finish_reason == "stop"
