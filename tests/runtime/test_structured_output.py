@@ -129,7 +129,7 @@ def masked_choice_probs(model, prompt: list[int], temperature: float) -> dict[st
 def test_a_sampled_choice_has_the_targets_masked_distribution(hf_target, proposer):
     from scipy.stats import chisquare
 
-    n = 1200
+    n = 800
     want = masked_choice_probs(hf_target, ids(CHOICE_PROMPT), TEMPERATURE)
     # The prompt lists the choices, so n-gram decoding finds proposals in it (which run on
     # past the answer, into tokens the grammar forbids); suffix decoding learns the answers.
