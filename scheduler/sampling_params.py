@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specray.scheduler.structured_output import StructuredOutput
+
 GREEDY_BELOW = 1e-5
 # Past this, dividing float32 logits by the temperature flattens every gap a model makes
 # to nothing (and near float32's range it is inf, and -inf / inf is NaN): the bound keeps
@@ -42,6 +44,11 @@ class SamplingParams:
     ``cache_salt``: requests share cached prompt prefixes only with requests of the same
     salt (None is a salt of its own), so tenants who must not learn of each other's
     prompts (by timing a hit) give distinct salts; at most ``MAX_CACHE_SALT_CHARS``.
+    ``structured_output``: None, or what the output must match (a ``StructuredOutput``, or a
+    dict with one of its kinds: ``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``); the output is then sampled from the target's distribution restricted to
+    the tokens the grammar allows, with or without speculation, and ends ("stop") where the
+    grammar is complete. It cannot be combined with ``ignore_eos``.
     """
 
     max_tokens: int = 16
@@ -55,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     speculation: bool = True
     cache_salt: str | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -96,6 +104,12 @@ class SamplingParams:
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {_shown(self.cache_salt)}")
+
+        if self.structured_output is not None:
+            self.structured_output = StructuredOutput.from_value(self.structured_output)
+            if self.ignore_eos:
+                raise ValueError("structured_output ends the output where the grammar is complete; "
+                                 "it cannot be combined with ignore_eos")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

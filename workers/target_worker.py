@@ -12,6 +12,8 @@ from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan, StepResult
 from specray.workers.config import ModelConfig
 from specray.workers.errors import PlanError
+from specray.workers.grammar_step import GrammarSide
+from specray.workers.in_target_head import InTargetHead, propose_in_target
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, token_logprobs
@@ -19,11 +21,15 @@ from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform
 
 class TargetWorker(ModelWorker):
     kind = "target"
+    # A proposer in this process, reading the target's hidden states (an EAGLE head,
+    # ``specray.workers.in_target_head``): it proposes inside ``verify``.
+    head: InTargetHead | None = None
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
         (``ModelRunner``)."""
         super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate)
+        self.grammar = GrammarSide(model.target, self.runner.vocab_size)
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
@@ -32,16 +38,20 @@ class TargetWorker(ModelWorker):
         t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
+        plan, draft_probs = propose_in_target(self.head, plan, draft_probs)
         n, width = plan.num_seqs, plan.width
         # What each sequence verifies: its proposal_len, 0 where the plan carries no proposals.
         proposal_lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
         self._check_proposals(plan, proposal_lens, draft_probs)
         r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
+        masks = self.grammar.start_verify_masks(plan, proposal_lens)       # on the host, beside the forward
         if n == 0:
-            return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
+            return self._told(plan, StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0))
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
                            r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])  # [sum + n, V]
+        # Structured output: forbidden tokens masked before anything reads the logits.
+        mask_s = self.grammar.finish_verify_masks(masks, logits)
         vocab = logits.shape[-1]
         w1 = width + 1
         # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
@@ -71,12 +81,20 @@ class TargetWorker(ModelWorker):
         for j, i in enumerate(sampled):
             emitted[i] = out[j * w1:j * w1 + counts[j]]
         result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=list(proposal_lens),
-                            num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
+                            num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e],
+                            mask_s=mask_s)
         if asked:
             # Computed before the sync above: this copy waits for nothing.
             floats = torch.cat([chosen.view(-1), top_lp.view(-1)]).tolist()
             _fill_logprobs(result, plan, asked, emitted, floats, flat[cells + ns + ns * w1:], w1, num_top)
+        self._told(plan, result)
         result.compute_s = time.perf_counter() - t0
+        return result
+
+    def _told(self, plan: StepPlan, result: StepResult) -> StepResult:
+        """The proposer in this process (``head``), if any, hears the step's verdicts."""
+        if self.head is not None:
+            self.head.verified(plan, result)
         return result
 
     def _logprobs(self, plan: StepPlan, asked: list[int], sampled: list[int], scores, argmax, out):

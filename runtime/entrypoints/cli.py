@@ -12,7 +12,7 @@ import time
 
 from specray.runtime.entrypoints import models_cli, serve
 from specray.runtime.entrypoints.batch import job as batch
-from specray.runtime.entrypoints.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
+from specray.runtime.entrypoints.cli_args import add_model_args, installed_builtin, runtime_config, sampling_default
 
 
 def cmd_generate(args) -> int:
@@ -79,9 +79,9 @@ def cmd_bench(args) -> int:
     from specray.runtime.bench.run import run_bench
     from specray.runtime.bench.settings import BenchSettings
 
-    target = args.target or builtin_model("tiny-target")
+    target = args.target or installed_builtin("tiny-target")
     # A target given alone is benched without a draft: n-gram and plain decoding only.
-    draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
+    draft = args.draft or (installed_builtin("tiny-draft") if args.target is None else None)
     if target is None or (args.target is None and draft is None):
         raise SystemExit("bench needs --target (and --draft, for the draft runs), or the built-in pair")
     if args.random_draft and draft is None:
@@ -89,6 +89,8 @@ def cmd_bench(args) -> int:
     if args.prompts == "chat":
         return cmd_bench_chat(args, target, draft)
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    if args.workload == "json":
+        return _bench_json(args, target, draft, sizes)
     s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
@@ -120,6 +122,22 @@ def cmd_bench(args) -> int:
         for m in result["mismatches"]:
             print("  " + m, file=sys.stderr)
         return 1
+    return 0
+
+
+def _bench_json(args, target: str, draft: str | None, sizes: tuple[int, ...]) -> int:
+    """``specray bench --workload json`` (``specray.runtime.bench.json_workload``)."""
+    from specray.runtime.bench.json_workload import format_json_table, run_json_bench, write_json_result
+    from specray.runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig(target=target, draft=draft, proposer="draft" if draft else "ngram",
+                        num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
+                        executor=args.executor, layout="colocated" if args.colocate else "auto")
+    max_tokens, repeats = (min(args.max_tokens, 32), min(args.repeats, 2)) if args.quick else (args.max_tokens,
+                                                                                               args.repeats)
+    result = run_json_bench(cfg, sizes, max_tokens, repeats, args.temperature)
+    print(format_json_table(result))
+    print(f"wrote {write_json_result(result, args.out)}")
     return 0
 
 
@@ -174,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")
+    b.add_argument("--workload", default="text", choices=["text", "json"],
+                   help="text: the comparison above; json: the same requests with a JSON-schema grammar off and "
+                        "on, side by side (tokens/s, acceptance, mask time per step; docs/structured-output.md)")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)
