@@ -9,6 +9,19 @@ benchmark_serving reports: time to first token and inter-token latency (per toke
 chunk's gap divided by its tokens) p50/p99, output tokens/s, success rate; and the ratios
 HTTP / handle.
 
+``--prompts chat``: the multi-turn chat workload (``specray.runtime.bench.chat``: a
+shared ~400-token system prompt, conversations of 3-5 turns, each turn's prompt the whole
+conversation so far) at each concurrency, once on a runtime with prefix caching and once
+on one without, through HTTP and the handle alternately; ``--target``/``--draft``/
+``--proposer`` pick the models (default: the built-in pair with its draft), e.g.
+``--target smollm2 --proposer ngram`` after ``specray models fetch smollm2``.
+
+``--prompts long``: chunked prefill (``specray.runtime.bench.long_arrival``): 8 streams
+decode and a ``--long-tokens`` prompt arrives among them, on a runtime whose step budget
+is ``--chunk-budget`` tokens (chunked) and on one whose budget holds the whole prompt;
+reported per runtime: the streams' inter-token latency p50/p99 and the long request's
+TTFT, ``--repeats`` times (handle only).
+
 ``--workload json``: chat requests through HTTP with a JSON-schema ``response_format`` off
 and on, side by side at each concurrency (SmolLM2 with n-gram proposals by default):
 output tokens/s, their ratio on / off, acceptance, and the grammar's mask time per step
@@ -133,6 +146,98 @@ def handle_level(rt, prompts, conc, max_tokens, speculation, arrivals=None):
     return dict(wall=time.perf_counter() - t, ttft=ttft, itl=itl, **res)
 
 
+def http_chat_sender(url: str, model: str, tokenizer, max_tokens: int):
+    """Chat turns over HTTP (token-id prompts, streamed): each chunk's text as token ids."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+
+    def send(prompt: list[int]):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        try:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    ch = json.loads(line[6:])
+                    if ch["choices"] and ch["choices"][0]["text"]:
+                        yield tokenizer(ch["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+        finally:
+            conn.close()
+    return send
+
+
+def chat_main(args, levels, tok, target, draft, proposer) -> list[dict]:
+    """The chat workload with prefix caching on, then off, each on a runtime of its own."""
+    from specray import RuntimeConfig, SpecRuntime
+    from specray.runtime.bench.chat import conversations, handle_sender, run_chat
+    from specray.runtime.entrypoints.openai.ingress import start_http, stop_http
+
+    results = []
+    for caching in (True, False):
+        rt = SpecRuntime(RuntimeConfig(target=target, draft=draft, proposer=proposer, num_speculative_tokens=args.k,
+                                       enable_prefix_caching=caching, name="serve-load", namespace="serve-load"))
+        url = start_http("serve-load", "serve-load", "m", port=18777)
+        try:
+            run_chat(handle_sender(rt, 8), tok, conversations(2, seed=99), 2)          # warm-up
+            for _, c in levels:
+                c = int(c)
+                n = args.num_requests or max(16, 2 * c)
+                runs = {"http": [], "handle": []}
+                for rep in range(args.repeats):
+                    for kind in (["http", "handle"] if rep % 2 == 0 else ["handle", "http"]):
+                        send = (http_chat_sender(url, "m", tok, args.max_tokens) if kind == "http"
+                                else handle_sender(rt, args.max_tokens))
+                        runs[kind].append(run_chat(send, tok, conversations(n, seed=rep), c).summary())
+                med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+                results.append(dict(mode="chat", level=c, prefix_caching=caching, conversations=n, runs=runs))
+                print(f"chat caching={'on' if caching else 'off'} concurrency={c}: " + " | ".join(
+                    f"{k} {v['tokens_per_s']:7.1f} tok/s ttft {v['ttft_p50_ms']:6.1f}/{v['ttft_p99_ms']:6.1f} ms "
+                    f"itl {v['itl_p50_ms']:5.2f}/{v['itl_p99_ms']:5.2f} ms" for k, v in med.items()), flush=True)
+        finally:
+            stop_http()
+            rt.shutdown()
+    return results
+
+
+def long_main(args, tok, target, draft) -> list[dict]:
+    """8 streams and a long prompt, on a chunked runtime and on one that prefills whole."""
+    from specray import RuntimeConfig, SpecRuntime
+    from specray.runtime.bench.long_arrival import run_long_arrival
+
+    results = []
+    for budget in (args.chunk_budget, max(8192, 2 * args.long_tokens)):
+        rt = SpecRuntime(RuntimeConfig(target=target, draft=draft, proposer=args.proposer,
+                                       num_speculative_tokens=args.k, max_num_batched_tokens=budget))
+        try:
+            run_long_arrival(rt, tok, 2, 8, 32, 0.0)                                  # warm-up
+            runs = [run_long_arrival(rt, tok, 8, args.max_tokens, args.long_tokens, 0.5) for _ in range(args.repeats)]
+        finally:
+            rt.shutdown()
+        med = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+        results.append(dict(max_num_batched_tokens=budget, runs=runs))
+        print(f"long prompt ({args.long_tokens} tokens) among 8 streams, max_num_batched_tokens={budget}: itl "
+              f"{med['itl_p50_ms']:.2f}/{med['itl_p99_ms']:.2f} ms (p99/p50 {med['itl_p99_over_p50']:.2f}), "
+              f"long TTFT {med['long_ttft_ms']:.0f} ms", flush=True)
+    return results
+
+
+def model_path(name: str) -> str:
+    """A model directory, or the name of a model ``specray models fetch`` stored."""
+    from specray.runtime import model_store
+
+    if os.path.isdir(name):
+        return name
+    path = model_store.cached_path(name)
+    if path is None:
+        raise SystemExit(f"{name!r} is neither a directory nor a fetched model: specray models fetch {name}")
+    return path
+
+
 def summary(r, n):
     return dict(tokens_per_s=r["tokens"] / r["wall"], ttft_p50_ms=1e3 * pct(r["ttft"], .5),
                 ttft_p99_ms=1e3 * pct(r["ttft"], .99), itl_p50_ms=1e3 * pct(r["itl"], .5),
@@ -222,9 +327,22 @@ def main():
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--workload", default="text", choices=["text", "json"])
-    ap.add_argument("--target", default=None, help="json workload: the model (default: SmolLM2, fetched)")
-    ap.add_argument("--proposer", default="ngram", help="json workload: the proposer (a target alone: ngram, suffix)")
+    ap.add_argument("--prompts", default="code", choices=["code", "chat", "long"],
+                    help="text workload: code: held-out snippets, one request each; chat: multi-turn conversations "
+                         "after a shared system prompt, with prefix caching on and off; long: a long prompt arriving "
+                         "among decoding streams, with chunked prefill and without")
+    ap.add_argument("--long-tokens", type=int, default=1500, help="--prompts long: the long prompt's tokens")
+    ap.add_argument("--chunk-budget", type=int, default=256,
+                    help="--prompts long: max_num_batched_tokens of the chunked runtime")
+    ap.add_argument("--target", default=None, help="the model (a path or a fetched model's name; default: SmolLM2, "
+                                                   "fetched, for the json workload, the built-in pair otherwise)")
+    ap.add_argument("--draft", default=None, help="--prompts chat/long: default the built-in draft with the built-in "
+                                                  "target")
+    ap.add_argument("--proposer", default=None, help="default: ngram for the json workload and for a --target given "
+                                                     "alone, the draft model for the built-in pair")
     args = ap.parse_args()
+    if args.proposer is None:
+        args.proposer = "draft" if args.workload == "text" and args.target is None else "ngram"
     if args.workload == "json":
         results = json_workload(args)
         if args.out:
@@ -241,6 +359,34 @@ def main():
 
     load = [os.getloadavg()]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if args.prompts == "long":
+        target = model_path(args.target) if args.target else builtin_model("tiny-target")
+        draft = None if args.proposer not in ("draft", "draft+suffix") else (
+            model_path(args.draft) if args.draft else builtin_model("tiny-draft"))
+        try:
+            results = long_main(args, AutoTokenizer.from_pretrained(target), target, draft)
+        finally:
+            ray.shutdown()
+        print("load", load + [os.getloadavg()])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(results=results, args=vars(args)), f, indent=1)
+        return
+    if args.prompts == "chat":
+        target = model_path(args.target) if args.target else builtin_model("tiny-target")
+        draft = None if args.proposer not in ("draft", "draft+suffix") else (
+            model_path(args.draft) if args.draft else builtin_model("tiny-draft"))
+        levels = [("concurrency", int(c)) for c in args.concurrency.split(",") if c]
+        try:
+            results = chat_main(args, levels, AutoTokenizer.from_pretrained(target), target, draft, args.proposer)
+        finally:
+            ray.shutdown()
+        load.append(os.getloadavg())
+        print("load", load)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(results=results, load=load, args=vars(args)), f, indent=1)
+        return
     target = builtin_model("tiny-target")
     rt = SpecRuntime(RuntimeConfig(target=target, draft=builtin_model("tiny-draft"), num_speculative_tokens=args.k,
                                    name="serve-load", namespace="serve-load"))

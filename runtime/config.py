@@ -124,6 +124,7 @@ class RuntimeConfig:
         # CacheConfig
         block_size: int = _UNSET, num_kv_blocks: int | None = _UNSET, max_num_seqs: int = _UNSET,
         max_num_batched_tokens: int = _UNSET, gpu_memory_utilization: float | None = _UNSET,
+        enable_prefix_caching: bool = _UNSET,
         # SpeculationConfig
         proposer: str = _UNSET, num_speculative_tokens: int = _UNSET, speculation_policy: str = _UNSET,
         disable_by_batch_size: int | None = _UNSET, policy_options: dict = _UNSET, overlap: bool = _UNSET,

@@ -20,6 +20,9 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     # One per entry of token_ids where SamplingParams.logprobs asked for them, else None.
     logprobs: list[TokenLogprob] | None = None
+    # Of the prompt, the tokens whose KV came from the prefix cache (not computed) when the
+    # request was admitted (a multiple of block_size; 0 with enable_prefix_caching off).
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,12 @@ Glossary: one name per quantity, from the configuration to the workers (and
   the position of its first scored row, so ``target_computed = step_len + accepted``.
 - ``num_written``: a worker's count of a sequence's slots its last step wrote (fed tokens
   and lookahead); a plan's ``num_computed`` may never pass it (``KVCache``).
+- ``chunk_len``: the tokens a prefill chunk feeds this step, 0 where a step feeds all of
+  ``tokens[num_computed:]`` (``Sequence.chunk_len``; chunked prefill under
+  ``max_num_batched_tokens``).
+- a cached block's name: the hash chain of its prefix in the driver
+  (``specray.scheduler.prefix_cache``), the mirror's block id in a plan to a worker
+  (``StepPlan.hit_names``, ``cached_names``, ``evicted_names``).
 - a verdict (``Verdict``), per sequence and step: ``proposed`` (proposals verified, at
   most its ``proposal_len``: a proposer may find fewer), ``accepted`` (the longest prefix
   of them the target keeps) and the emitted ``tokens``: the accepted ones, then the

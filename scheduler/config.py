@@ -50,7 +50,11 @@ class CacheConfig:
         "help": "KV blocks per worker (default: enough for max_num_seqs at full length, within memory)"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one step, at most"})
     max_num_batched_tokens: int = field(default=8192, metadata={
-        "help": "prefill budget per step for newly admitted requests"})
+        "help": "tokens a step feeds at most: running sequences first, then newcomers; a prompt longer than what "
+                "is left is prefilled in chunks over several steps while the others decode (docs/prefix-caching.md)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of full blocks of a prompt prefix already computed (in every model: target and "
+                "draft) instead of computing it again (docs/prefix-caching.md)"})
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "help": "on CUDA, the fraction of one GPU's total memory a worker may hold: weights, KV cache, CUDA "
                 "graphs, activations (co-located: the driver's workers together) (default: 0.9 times the part "
@@ -62,6 +66,7 @@ class CacheConfig:
             check_int("num_kv_blocks", self.num_kv_blocks)
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")

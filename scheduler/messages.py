@@ -26,7 +26,7 @@ import msgpack
 
 from specray.scheduler.sampling_params import MAX_LOGPROBS
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # A ``StepPlan.draft_rows`` (and ``Proposals.prob_rows``) entry: this sequence's proposals
 # are made in the target worker's process, in its verify call, by the proposer that runs
@@ -64,6 +64,13 @@ class StepPlan:
     plans; empty: no sequence asked): ``-1`` for none, else how many top alternatives each
     emitted token's logprob comes with (``SamplingParams.logprobs``).
 
+    Prefix caching (``specray.scheduler.block_manager``: names are the driver's mirror's
+    block ids). ``num_hits[i]`` (empty: none has hits): how many cached blocks a sequence
+    new to the worker starts with, named back to back in ``hit_names``; its
+    ``num_computed`` is then exactly those blocks' slots. Before any of it the worker
+    applies its pool's cache events, in this order: ``uncached_all`` (forget every name),
+    the registrations (block ``cached_index[j]`` of sequence ``cached_seq_ids[j]`` is named
+    ``cached_names[j]``), ``free_seq_ids``, then ``evicted_names``.
     Structured output (empty lists: no sequence of the plan is constrained):
     ``grammar_lens[i]`` bytes of ``grammar_bytes`` hold sequence i's
     ``StructuredOutput.key`` (UTF-8; 0: unconstrained), and ``output_lens[i]`` tokens of
@@ -88,6 +95,13 @@ class StepPlan:
     seeds: list[int] = _packed("q")
     logprobs: list[int] = _packed("i")
     free_seq_ids: list[int] = _packed("q")
+    num_hits: list[int] = _packed("i")
+    hit_names: list[int] = _packed("i")
+    uncached_all: bool = _scalar(bool, False)
+    cached_seq_ids: list[int] = _packed("q")
+    cached_index: list[int] = _packed("i")
+    cached_names: list[int] = _packed("i")
+    evicted_names: list[int] = _packed("i")
     grammar_lens: list[int] = _packed("i")
     grammar_bytes: list[int] = _packed("B")
     output_lens: list[int] = _packed("i")
@@ -125,6 +139,13 @@ class StepPlan:
         _expect(len(self.logprobs) in (0, n), "StepPlan.logprobs does not match seq_ids")
         _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.logprobs),
                 f"StepPlan.logprobs must be in [-1, {MAX_LOGPROBS}]")
+        _expect(len(self.num_hits) in (0, n), "StepPlan.num_hits does not match seq_ids")
+        _expect(all(x >= 0 for x in self.num_hits), "StepPlan.num_hits is negative")
+        _expect(sum(self.num_hits) == len(self.hit_names),
+                f"StepPlan.hit_names has {len(self.hit_names)} names, num_hits sums to {sum(self.num_hits)}")
+        _expect(len(self.cached_seq_ids) == len(self.cached_index) == len(self.cached_names),
+                "StepPlan.cached_seq_ids, cached_index and cached_names differ in length")
+        _expect(all(x >= 0 for x in self.cached_index), "StepPlan.cached_index is negative")
         _expect(len(self.grammar_lens) in (0, n), "StepPlan.grammar_lens does not match seq_ids")
         _expect(len(self.output_lens) == len(self.grammar_lens), "StepPlan.output_lens does not match grammar_lens")
         _expect(all(x >= 0 for x in self.grammar_lens) and sum(self.grammar_lens) == len(self.grammar_bytes),

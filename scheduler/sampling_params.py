@@ -14,6 +14,7 @@ GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256  # each stop string's length: they are searched on every step's text
+MAX_CACHE_SALT_CHARS = 256
 MAX_LOGPROBS = 20     # top alternatives a request may ask for per token (the OpenAI API's bound)
 # What a step packs its integers into (``specray.scheduler.messages``: top_k, counts and
 # token ids travel as int32): a larger value must be refused here, not fail a step.
@@ -40,6 +41,9 @@ class SamplingParams:
     logprob under the target's raw logits (before temperature, top-k and top-p) and its n
     most likely alternatives. ``speculation=False`` decodes the request plainly: nothing
     is proposed for it, whatever the runtime's proposer.
+    ``cache_salt``: requests share cached prompt prefixes only with requests of the same
+    salt (None is a salt of its own), so tenants who must not learn of each other's
+    prompts (by timing a hit) give distinct salts; at most ``MAX_CACHE_SALT_CHARS``.
     ``structured_output``: None, or what the output must match (a ``StructuredOutput``, or a
     dict with one of its kinds: ``json``, ``json_object``, ``regex``, ``choice``,
     ``grammar``); the output is then sampled from the target's distribution restricted to
@@ -57,6 +61,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     speculation: bool = True
+    cache_salt: str | None = None
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +100,10 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {_shown(self.logprobs)}")
         if not isinstance(self.speculation, bool):
             raise ValueError(f"speculation must be a bool, got {type(self.speculation).__name__}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {_shown(self.cache_salt)}")
 
         if self.structured_output is not None:
             self.structured_output = StructuredOutput.from_value(self.structured_output)

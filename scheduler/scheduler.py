@@ -23,8 +23,29 @@ cannot hold a sequence's slots the newest running sequence of that pool is preem
 sequence this step. Waiting requests join with what is left. Nothing is ever dropped: a
 preempted sequence goes back to the front of the queue with every token it emitted.
 
+Chunked prefill: a step feeds at most ``max_num_batched_tokens`` tokens, running
+sequences first (oldest first), then newcomers. A sequence with more tokens to feed than
+is left (a long prompt, a recompute) gets a chunk of what is left, in its target and (where
+its draft is in step) its draft worker: the chunk carries no proposals and the token the
+target samples after it is discarded; its next step goes on from there. Decoding
+sequences are never held back by the budget, and a sequence alone in its step is fed
+whole (chunks are there to keep others decoding).
+
 A step that fails is requeued the same way (``step_failed``), and its sequences are tried
 in smaller groups until the one that fails alone is found (``Quarantine``).
+
+Prefix caching (``CacheConfig.enable_prefix_caching``), one decision for every model: a
+newcomer's cached prefix is the run of its full prompt blocks cached in its target pool
+AND its draft pool (the shorter of the two), never its last prompt token (the step needs
+its logits); it starts with those blocks in both pools (``num_computed`` = their slots in
+each), so the draft's KV is restored with the target's and acceptance is what it is
+without the cache. A head that keeps KV in the target's process (EAGLE) reads the target's
+tables: its seam is ``hit_margin``, blocks a hit gives back where such KV at a position
+depends on the next token (``specray.scheduler.prefix_cache.PrefixCache``). Blocks are
+named once their committed tokens' K/V is written (``update``: below ``target_computed``
+in the target pool, ``draft_computed`` in the draft pool), never lookahead or unverified
+proposals. Finished, aborted and preempted sequences
+free their blocks into the cache, so a preempted sequence's recompute is mostly a hit.
 """
 
 from __future__ import annotations
@@ -35,6 +56,7 @@ from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.grammar_plan import add_grammars
 from specray.scheduler.messages import StepPlan
+from specray.scheduler.prefix_cache import PrefixCache
 from specray.scheduler.quarantine import Quarantine
 from specray.scheduler.sequence import Sequence, SequenceStatus
 from specray.scheduler.speculation_policy import Decision, PolicyView, SpeculationPolicy, StaticPolicy
@@ -46,11 +68,14 @@ class Scheduler:
     def __init__(self, cache: CacheConfig, speculation: SpeculationConfig, max_model_len: int,
                  target_pools: BlockManager | list[BlockManager], draft_pools: BlockManager | list[BlockManager] |
                  None = None, *, draft_max_model_len: int | None = None, num_proposers: int = 1,
-                 policy: SpeculationPolicy | None = None) -> None:
+                 policy: SpeculationPolicy | None = None, prefix_cache_key: str = "", hit_margin: int = 0) -> None:
         """``max_model_len``: the window in force (the target's, or less); ``draft_max_model_len``:
         the draft's (None: a proposer without one, such as n-gram lookup). ``draft_pools``:
         the draft workers' pools (None for a proposer without KV, of which there are
-        ``num_proposers``). ``policy``: what each sequence proposes (default: static)."""
+        ``num_proposers``). ``policy``: what each sequence proposes (default: static).
+        ``prefix_cache_key``: names the models whose K/V the pools hold (part of every
+        cached block's name); ``hit_margin``: blocks a cache hit gives back (module
+        docstring)."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.cache = cache
@@ -75,6 +100,9 @@ class Scheduler:
         self.drafts_down: set[int] = set()   # draft workers lost and not back yet
         self.targets_down: set[int] = set()  # target workers lost and not back yet
         self.quarantine = Quarantine()       # sequences of failed steps, run apart until cleared
+        self.prefix_cache = PrefixCache(prefix_cache_key, cache.block_size, hit_margin)
+        for pool in self.target_pools + self.draft_pools:
+            pool.enable_prefix_caching = cache.enable_prefix_caching
 
     # -- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -135,6 +163,28 @@ class Scheduler:
             self._draft_slots[sid] = num_tokens + lookahead
         return proposal_len
 
+    # -- prefix caching ------------------------------------------------------------
+    def _draft_kv(self, seq: Sequence) -> BlockManager | None:
+        """The draft pool whose KV the sequence's hits must cover: its draft worker's, while up."""
+        pool = self._draft_pool(seq) if self.num_draft_ranks else None
+        return pool if pool is not None and seq.draft_rank not in self.drafts_down else None
+
+    def _lookup(self, seq: Sequence) -> int:
+        target = self.target_pools[seq.target_rank]
+        if not self.cache.enable_prefix_caching or target.has(seq.seq_id):
+            return 0
+        return self.prefix_cache.lookup(seq, target, self._draft_kv(seq))
+
+    def _set_chunk(self, seq: Sequence, chunk: int) -> None:
+        """This step feeds ``chunk`` of the sequence's tokens (0: all). Its draft worker is
+        fed the same chunk where it holds exactly what the target does and has room for
+        the whole prompt (else it catches up once the sequence proposes)."""
+        seq.chunk_len = chunk
+        draft = self._draft_kv(seq) if chunk else None
+        if (draft is not None and seq.draft_computed == seq.target_computed
+                and draft.allocate_slots(seq.seq_id, seq.num_tokens)):
+            self._draft_slots[seq.seq_id] = seq.num_tokens
+
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         """``counted``: a preemption in the stats (not a failed step's requeue)."""
         self.running.remove(seq)
@@ -149,17 +199,19 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, tell: bool = True) -> None:
+        """``tell=False``: blocks no plan has told a worker of yet (a newcomer's hits)."""
         # Workers ignore frees of sequences they never saw, so telling them is always safe.
         self.target_pools[seq.target_rank].free(seq.seq_id)
-        self._target_frees[seq.target_rank].append(seq.seq_id)
+        if tell:
+            self._target_frees[seq.target_rank].append(seq.seq_id)
         if self.num_draft_ranks:
             pool = self._draft_pool(seq)
             if pool is not None:
                 pool.free(seq.seq_id)
             # Not to a draft worker that is down: it comes back empty, and a queued free
             # would be a plan -- a call -- to a dead worker.
-            if seq.draft_rank not in self.drafts_down:
+            if tell and seq.draft_rank not in self.drafts_down:
                 self._draft_frees[seq.draft_rank].append(seq.seq_id)
 
     def _place(self, seq: Sequence, t_load: list[int], d_load: list[int]) -> None:
@@ -224,9 +276,16 @@ class Scheduler:
         decision = self._decide(free)
         proposal_lens = dict(zip((s.seq_id for s in free), decision.proposal_lens))
         queue = list(free)
+        budget = self.cache.max_num_batched_tokens
         while queue:
             seq = queue.pop(0)
-            proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+            pending = seq.num_tokens - seq.target_computed
+            chunk = 0
+            if pending > 1 and pending > budget and len(free) > 1:
+                if budget < 1:
+                    continue           # nothing left for its prefill this step: it keeps its blocks and waits
+                chunk = budget
+            proposal_len = self._reserve(seq, 0 if chunk else proposal_lens[seq.seq_id])
             while proposal_len is None:
                 same_pool = [s for s in queue if s.target_rank == seq.target_rank]
                 victim = same_pool[-1] if same_pool else seq
@@ -236,11 +295,12 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                proposal_len = self._reserve(seq, proposal_lens[seq.seq_id])
+                proposal_len = self._reserve(seq, 0 if chunk else proposal_lens[seq.seq_id])
             if proposal_len is not None:
+                self._set_chunk(seq, chunk)
                 batch.append((seq, proposal_len))
+                budget -= chunk or pending
 
-        budget = self.cache.max_num_batched_tokens - sum(s.num_tokens - s.target_computed for s, _ in batch)
         t_load = [0] * len(self.target_pools)
         d_load = [0] * max(self.num_draft_ranks, 1)
         for s in self.running:
@@ -253,22 +313,38 @@ class Scheduler:
             seq = admit[0]
             if seq.seq_id in in_flight:
                 break      # preempted (a lost worker) while its step is in flight: it waits for that step
-            cost = seq.num_tokens - seq.target_computed
-            if batch and cost > budget:
-                break
             self._place(seq, t_load, d_load)
             if seq.target_rank in self.targets_down:
                 break   # every target worker is down: wait for one to come back
-            proposal_len = self._reserve(seq, min(self.proposal_limit(seq), decision.newcomer_proposal_len))
+            hit = self._lookup(seq)
+            cost = seq.num_tokens - max(seq.target_computed, hit * self.cache.block_size)
+            chunk = 0
+            if batch and cost > budget:
+                if budget < 1:
+                    break
+                chunk = budget
+            if hit:
+                self.prefix_cache.take_hits(seq, hit, self.target_pools[seq.target_rank], self._draft_kv(seq))
+            proposal_len = self._reserve(seq, 0 if chunk else min(self.proposal_limit(seq),
+                                                                  decision.newcomer_proposal_len))
             if proposal_len is None:
+                if hit:
+                    self._release(seq, tell=False)
+                    seq.reset_computed()
                 break
+            if self.cache.enable_prefix_caching:
+                self.stats.prefix_cache_queries += seq.num_tokens
+                self.stats.prefix_cache_hits += hit * self.cache.block_size
+                if seq.output_len == 0:
+                    seq.num_cached_tokens = hit * self.cache.block_size
             admit.popleft()
             if admit is not self.waiting:
                 self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._set_chunk(seq, chunk)
             batch.append((seq, proposal_len))
-            budget -= cost
+            budget -= chunk or cost
 
         if not batch:
             if self.waiting and not self.running and only is None and len(self.targets_down) < len(self.target_pools):
@@ -297,16 +373,18 @@ class Scheduler:
             t = seq.target_rank
             if t_plans[t] is None:
                 t_plans[t] = StepPlan(step_id=sid, width=width)
-            _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len)
+            _add_seq(t_plans[t], seq, seq.target_computed, seq.step_len + proposal_len, proposal_len, seq.chunk_len)
+            _add_hits(t_plans[t], self.target_pools[t].take_hits(seq.seq_id))
             t_plans[t].logprobs.append(-1 if seq.params.logprobs is None else seq.params.logprobs)
             t_seqs[t].append(seq)
-            if proposal_len:
+            if proposal_len or seq.seq_id in self._draft_slots:
                 d = seq.draft_rank
                 if d_plans[d] is None:
                     d_plans[d] = StepPlan(step_id=sid, width=width)
                 # The slots reserved: with a pre-draft's where they fit (_reserve).
                 slots = self._draft_slots.pop(seq.seq_id, seq.step_len + proposal_len - 1)
-                _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len)
+                _add_seq(d_plans[d], seq, seq.draft_computed, slots, proposal_len, seq.chunk_len)
+                _add_hits(d_plans[d], self.draft_pools[d].take_hits(seq.seq_id) if self.draft_pools else [])
                 d_seqs[d].append(seq)
         for plan in t_plans:
             # Nobody asked: the plan says so with no entries, and the worker computes nothing.
@@ -325,6 +403,14 @@ class Scheduler:
                     plans[r] = StepPlan(step_id=sid, width=width)
                 plans[r].free_seq_ids = pending
                 frees[r] = []
+        # A pool's cache events ride with the next plan to its worker, which applies them
+        # before that plan's frees (every event precedes them: block_manager).
+        for plans, pools in ((t_plans, self.target_pools), (d_plans, self.draft_pools)):
+            for plan, pool in zip(plans, pools):
+                if plan is not None:
+                    _add_events(plan, pool.take_events())
+                    if not any(plan.num_hits):
+                        plan.num_hits = []
         return ScheduledStep(sid, [s for s, _ in batch], t_plans, t_seqs, d_plans, d_seqs)
 
     def draft_lost(self, rank: int) -> None:
@@ -374,6 +460,15 @@ class Scheduler:
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq, counted=False)
+        if self.cache.enable_prefix_caching:
+            # What the failed plans' cache events did on the workers is not known: every
+            # pool forgets its cache and tells its worker to (its next plan). A sequence
+            # whose hits no plan carried yet would start on names forgotten: requeued too.
+            for seq in [s for s in self.running if s.seq_id not in {x.seq_id for x in seqs}]:
+                if any(p.has_pending_hits(seq.seq_id) for p in self.target_pools + self.draft_pools):
+                    self._preempt(seq, counted=False)
+            for pool in self.target_pools + self.draft_pools:
+                pool.uncache_all()
         for r in sorted(lost_drafts):
             self.draft_lost(r)
         for r in sorted(lost_targets):
@@ -392,6 +487,7 @@ class Scheduler:
         appended) per verdict. Finished sequences are released."""
         self._check_outcome(outcome)
         in_step = {s.seq_id: s for s in outcome.step.seqs}
+        chunked = self._chunks_done(outcome, in_step)
         out = []
         for v in outcome.verdicts:
             seq = in_step.pop(v.seq_id)
@@ -409,13 +505,39 @@ class Scheduler:
         self.stats.record(outcome)
         if self.num_speculative_tokens:
             self.policy.observe(outcome)
+        if self.cache.enable_prefix_caching:
+            for seq in [s for s, _ in out] + chunked:
+                self.prefix_cache.register(seq, self.target_pools[seq.target_rank], self._draft_kv(seq))
         for seq, _ in out:
             if seq.finished:
                 self.running.remove(seq)
                 self._release(seq)
                 self.stats.num_requests_finished += 1
-        self.quarantine.passed(v.seq_id for v in outcome.verdicts)
+        self.quarantine.passed([v.seq_id for v in outcome.verdicts] + [seq.seq_id for seq in chunked])
         return out
+
+    def _chunks_done(self, outcome: StepOutcome, in_step: dict[int, Sequence]) -> list[Sequence]:
+        """Account the step's prefill chunks: their tokens are cached in the target (and
+        the draft, where it was fed them); their verdicts are dropped (the token sampled
+        after a chunk is not the sequence's: stats and the policy never see it). Returns
+        the chunked sequences still running."""
+        chunked, kept = [], []
+        for v in outcome.verdicts:
+            seq = in_step[v.seq_id]
+            if not seq.chunk_len:
+                kept.append(v)
+                continue
+            in_step.pop(v.seq_id)
+            self.stats.num_prefill_chunks += 1
+            drafted = any(seq in seqs for seqs in outcome.step.draft_seqs)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.target_computed += seq.chunk_len
+                if drafted and seq.draft_rank not in self.drafts_down:
+                    seq.draft_computed = seq.target_computed
+                chunked.append(seq)
+            seq.chunk_len = 0
+        outcome.verdicts = kept
+        return chunked
 
     def _check_outcome(self, outcome: StepOutcome) -> None:
         """What ``update`` would refuse, before it changes anything (a refused outcome is
@@ -477,12 +599,27 @@ def _as_list(pools) -> list[BlockManager]:
     return list(pools) if isinstance(pools, (list, tuple)) else [pools]
 
 
-def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int) -> None:
+def _add_hits(plan: StepPlan, names: list[int]) -> None:
+    plan.num_hits.append(len(names))
+    plan.hit_names.extend(names)
+
+
+def _add_events(plan: StepPlan, events) -> None:
+    plan.uncached_all = events.uncached_all
+    plan.cached_seq_ids = events.cached_seq_ids
+    plan.cached_index = events.cached_index
+    plan.cached_names = events.cached_names
+    plan.evicted_names = events.evicted_names
+
+
+def _add_seq(plan: StepPlan, seq: Sequence, computed: int, slots: int, proposal_len: int, chunk: int = 0) -> None:
+    """``chunk``: feed only that many tokens (a prefill chunk), else all past ``computed``."""
     p = seq.params
+    end = computed + chunk if chunk else seq.num_tokens
     plan.seq_ids.append(seq.seq_id)
     plan.num_computed.append(computed)
-    plan.num_new.append(seq.num_tokens - computed)
-    plan.token_ids.extend(seq.tokens[computed:])
+    plan.num_new.append(end - computed)
+    plan.token_ids.extend(seq.tokens[computed:end])
     plan.num_slots.append(slots)
     plan.proposal_lens.append(proposal_len)
     plan.temperature.append(p.temperature)

@@ -38,12 +38,20 @@ class Sequence:
     # Set while a step is in flight: its length before the step, and its proposal_len.
     step_len: int = 0
     proposal_len: int = 0
+    # Set while a prefill chunk is in flight: the tokens it feeds (0: the step feeds all
+    # of tokens[num_computed:] and its emitted tokens count).
+    chunk_len: int = 0
     # Which target / draft worker holds this sequence's KV (sticky while it runs).
     target_rank: int = 0
     draft_rank: int = 0
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     # One per output token, where the request asked for logprobs (else None).
     logprobs: list[TokenLogprob] | None = field(default=None, init=False)
+    # Prefix caching: the names of its full blocks of committed tokens, block 0 first, as
+    # far as they were needed (``specray.scheduler.prefix_cache``), and of its prompt, the
+    # tokens found cached when it was admitted before its first output.
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -72,6 +80,7 @@ class Sequence:
     def reset_computed(self) -> None:
         self.target_computed = 0
         self.draft_computed = 0
+        self.chunk_len = 0
 
     def truncate_output(self, output_len: int) -> None:
         """Keep the output's first ``output_len`` tokens (a stop string matched there):

@@ -21,6 +21,9 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     num_requests_finished: int = 0
+    prefix_cache_queries: int = 0    # tokens looked up in the prefix cache: a sequence's at each admission
+    prefix_cache_hits: int = 0       # of those, the tokens found cached (not computed)
+    num_prefill_chunks: int = 0      # steps that fed a sequence part of its prompt (chunked prefill)
     busy_s: float = 0.0              # wall time spent inside steps
     draft_s: float = 0.0             # inside the proposer call (all k passes, messaging included)
     verify_s: float = 0.0            # inside the target call (forward, sampler, messaging)
@@ -104,6 +107,11 @@ class SpecStats:
             "num_seq_steps": s,
             "num_preemptions": self.num_preemptions,
             "num_requests_finished": self.num_requests_finished,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "num_prefill_chunks": self.num_prefill_chunks,
+            "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
+                                      if self.prefix_cache_queries else 0.0),
             "tokens_per_s": self.num_emitted_tokens / self.busy_s if self.busy_s else 0.0,
             "busy_s": self.busy_s,
             "draft_s": self.draft_s,

@@ -94,28 +94,64 @@ def roundtrip(plan: StepPlan) -> StepPlan:
 
 
 class FakeWorker:
+    """A worker's state without a model: per sequence the tokens its KV holds (``cache``),
+    and the pool as ``workers/kv_cache.py`` keeps it (a BlockManager keyed by the driver's
+    names, the plan's cache events applied in their order) with each block's slots
+    (``content``: the token whose K/V a slot holds), so a cache hit reads what some
+    sequence wrote there, and a write to a block another sequence shares or to a cached
+    block fails."""
+
     def __init__(self, name: str, num_blocks: int, block_size: int) -> None:
         self.name = name
         self.cache: dict[int, list[int]] = {}
         self.judged: dict[int, int] = {}   # seq id -> its length after the last step that judged its proposals
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True, named_by_driver=True)
+        self.content: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.num_plans = 0          # plans received
         self.num_seq_plans = 0      # plans received that carried sequences
+        self.num_hit_tokens = 0     # tokens sequences found cached here
 
     def apply(self, plan: StepPlan, truth: dict[int, list[int]]) -> list[list[int]]:
-        """Frees, then per sequence: check and truncate the cache to num_computed, feed the
-        new tokens, resize the block mirror. Returns each sequence's history after feeding."""
+        """Cache events and frees, then per sequence: check and truncate the cache to
+        num_computed (a newcomer with hits reads its cached blocks), feed the new tokens,
+        resize its table and write the fed tokens' slots. Returns each sequence's history
+        after feeding."""
         self.num_plans += 1
         self.num_seq_plans += bool(plan.seq_ids)
+        bm, bs = self.blocks, self.blocks.block_size
+        if plan.uncached_all:
+            bm.uncache_all()
+        for sid, j, name in zip(plan.cached_seq_ids, plan.cached_index, plan.cached_names):
+            bm.cache_block(sid, j, name)
+            b = bm.block_table(sid)[j]
+            assert self.content[b] == self.cache[sid][j * bs:(j + 1) * bs], \
+                f"{self.name}: seq {sid} caches block {j}, which does not hold its tokens"
         for sid in plan.free_seq_ids:
             self.cache.pop(sid, None)
             self.judged.pop(sid, None)
-            self.blocks.free(sid)
+            bm.free(sid)
+        for name in plan.evicted_names:
+            bm.evict(name)
+        hits = [[] for _ in plan.seq_ids]
+        pos = 0
+        for i, n in enumerate(plan.num_hits):
+            hits[i] = plan.hit_names[pos:pos + n]
+            pos += n
+        # shrinks before growth, as a worker does
+        for sid, slots in zip(plan.seq_ids, plan.num_slots):
+            if bm.blocks_needed(slots) < len(bm.block_table(sid)):
+                assert bm.allocate_slots(sid, slots)
         histories = []
         pos = 0
         for i, sid in enumerate(plan.seq_ids):
             c, m, slots = plan.num_computed[i], plan.num_new[i], plan.num_slots[i]
             assert sid in truth, f"{self.name}: seq {sid} is not part of this step"
+            if hits[i]:
+                assert not self.cache.get(sid), f"{self.name}: seq {sid} has hits but holds tokens"
+                assert c == len(hits[i]) * bs, f"{self.name}: seq {sid} computed {c} for {len(hits[i])} hits"
+                assert bm.allocate_slots(sid, c, hits=hits[i]), f"{self.name}: seq {sid} hits do not fit"
+                self.cache[sid] = [t for b in bm.block_table(sid) for t in self.content[b]]
+                self.num_hit_tokens += c
             cache = self.cache.setdefault(sid, [])
             assert c <= len(cache), f"{self.name}: seq {sid} computed {c} > cached {len(cache)}"
             assert cache[:c] == truth[sid][:c], f"{self.name}: seq {sid} cached prefix is stale"
@@ -130,12 +166,27 @@ class FakeWorker:
             del cache[c:]
             cache.extend(plan.token_ids[pos:pos + m])
             pos += m
-            assert cache == truth[sid], f"{self.name}: seq {sid} fed tokens do not complete its history"
+            # fed tokens complete its history, or (a prefill chunk) continue it
+            assert cache == truth[sid][:len(cache)], f"{self.name}: seq {sid} fed tokens do not continue its history"
+            assert len(cache) == len(truth[sid]) or plan.proposal_lens[i] == 0, \
+                f"{self.name}: seq {sid} proposes after a prefill chunk"
+            assert bm.allocate_slots(sid, slots), f"{self.name}: worker pool out of blocks"
             assert c <= self.num_slots(sid), f"{self.name}: seq {sid} has fewer slots than computed"
-            assert self.blocks.allocate_slots(sid, slots), f"{self.name}: worker pool out of blocks"
+            self.write(sid, c)
             histories.append(list(cache))
-        self.blocks.check_integrity()
+        bm.check_integrity()
         return histories
+
+    def write(self, sid: int, start: int) -> None:
+        """The step wrote the K/V of the sequence's cached tokens from ``start`` on: into
+        its own blocks only, never a cached one."""
+        bm, bs = self.blocks, self.blocks.block_size
+        table, cache = bm.block_table(sid), self.cache[sid]
+        for p in range(start, len(cache)):
+            b = table[p // bs]
+            assert bm._ref[b] == 1, f"{self.name}: seq {sid} writes block {b}, which another sequence holds"
+            assert bm.key_of(b) is None, f"{self.name}: seq {sid} overwrites cached block {b}"
+            self.content[b][p % bs] = cache[p]
 
     def num_slots(self, seq_id: int) -> int:
         return len(self.blocks.block_table(seq_id)) * self.blocks.block_size
@@ -238,6 +289,8 @@ class Harness:
     # A second proposer beside the drafts (draft+suffix): where it is wrong, as draft_wrong
     # for the drafts; None: the drafts alone.
     suffix_wrong: Callable[[int, int], bool] | None = None
+    num_chunks: int = 0          # prefill chunks run
+    _chunks: set[int] = field(default_factory=set)   # this step's chunked sequences
 
     def __post_init__(self) -> None:
         assert len(self.targets) == len(self.sched.target_pools)
@@ -308,6 +361,7 @@ class Harness:
         for r in self.fail_targets:
             self.kill_target(r)
         self._truth = self.truth(step)
+        self._chunks = {s.seq_id for s in step.seqs if s.chunk_len}
         self._proposed, self._prob_rows, self._suffix_proposed = {}, [], {}
         self._running_on = {r: [s for s in sched.running if s.target_rank == r] for r in range(len(self.targets))}
         return step
@@ -329,7 +383,9 @@ class Harness:
         for d in outcome.lost_drafts:
             self._frees_d[d].clear()
         assert [s for s, _ in out] == [s for r, seqs in enumerate(step.target_seqs)
-                                       if r not in outcome.lost_targets for s in seqs]
+                                       if r not in outcome.lost_targets for s in seqs
+                                       if s.seq_id not in self._chunks]
+        self.num_chunks += len(self._chunks)
         for seq, appended in out:
             if seq.seq_id in self._proposed and self.drafts:
                 self.drafts[seq.draft_rank].judged[seq.seq_id] = seq.num_tokens
@@ -456,13 +512,16 @@ class Harness:
             for i, s in enumerate(seqs):
                 n = s.num_tokens
                 assert plan.num_computed[i] == s.target_computed
-                assert plan.num_new[i] == n - s.target_computed >= 1
+                assert plan.num_new[i] == (s.chunk_len or n - s.target_computed) >= 1
                 assert plan.num_slots[i] == n + s.proposal_len
+                assert not (s.chunk_len and s.proposal_len), "a prefill chunk proposes"
                 assert plan.proposal_lens[i] == s.proposal_len
         # draft plans: the rank's sequences that speculate this step, and its frees
         for d in range(D):
             seqs = step.draft_seqs[d]
-            assert seqs == [s for s in step.seqs if s.proposal_len > 0 and s.draft_rank == d]
+            # the sequences that propose, and prefill chunks fed to the draft too
+            assert seqs == [s for s in step.seqs if s.draft_rank == d and (s.proposal_len > 0 or
+                                                                         (s.chunk_len and s in seqs))]
             plan = step.draft_plans[d]
             frees = self._frees_d[d]
             if not seqs and not frees:
@@ -474,6 +533,10 @@ class Harness:
             assert plan.seq_ids == [s.seq_id for s in seqs]
             for i, s in enumerate(seqs):
                 assert plan.num_computed[i] == s.draft_computed
+                if s.chunk_len:
+                    assert plan.num_computed[i] == s.target_computed and plan.num_new[i] == s.chunk_len
+                    assert plan.num_slots[i] == s.num_tokens
+                    continue
                 assert plan.num_slots[i] == s.num_tokens + s.proposal_len - 1
                 assert plan.proposal_lens[i] == s.proposal_len
 
@@ -500,10 +563,24 @@ class Harness:
         for mirror, worker, owners, owed in pairs:
             assert set(mirror._tables) <= owners, "a sequence holds blocks on a rank it does not run on"
             assert set(worker.cache) <= owners | owed, f"{worker.name} holds a sequence it was told to free"
-            held_by_owed = sum(len(worker.blocks.block_table(sid)) for sid in owed)
-            assert mirror.num_free_blocks == worker.blocks.num_free_blocks + held_by_owed
-            for sid in (set(mirror._tables) | set(worker.blocks._tables)) - owed:
+            # Newcomers' hits no plan carried yet (a draft pool's, while the sequence does
+            # not propose): held in the mirror only.
+            told = [sid for sid in mirror._tables if not mirror.has_pending_hits(sid)]
+            used_m = {b for sid in told for b in mirror.block_table(sid)}
+            used_w = {b for sid, t in worker.blocks._tables.items() if sid not in owed for b in t}
+            assert len(used_m) == len(used_w), \
+                f"{worker.name}: {len(used_w)} blocks used, the mirror says {len(used_m)}"
+            for sid in told:
                 assert len(mirror.block_table(sid)) == len(worker.blocks.block_table(sid))
+                # a block the worker keys is keyed by the mirror's id of the same table entry
+                for bm_, bw in zip(mirror.block_table(sid), worker.blocks.block_table(sid)):
+                    key = worker.blocks.key_of(bw)
+                    assert key is None or key == bm_, f"{worker.name}: seq {sid} block keyed {key}, mirror's {bm_}"
+            # every name the worker holds the mirror still caches (it may cache more:
+            # registrations the next plan carries)
+            names = set(worker.blocks._cached)
+            assert all(mirror.key_of(n) is not None for n in names), f"{worker.name} caches an evicted name"
+            assert mirror.num_cached_blocks >= len(names)
 
     def propose(self, d: int, plan: StepPlan) -> tuple[Proposals, list[int] | None]:
         """Draft rank ``d``'s call: the true next tokens, wrong where ``draft_wrong`` says.
@@ -527,8 +604,10 @@ class Harness:
                     t = (t + 1) % V
                 props.append(t)
             # the draft ran its first n - 1 proposals through the model: they are in its KV
+            start = len(worker.cache[sid])
             worker.cache[sid].extend(props[:len(props) - 1])
             assert len(worker.cache[sid]) <= worker.num_slots(sid)
+            worker.write(sid, start)
             rows.append((sid, props))
             self._proposed[sid] = props
         if plan.num_seqs:
@@ -566,8 +645,10 @@ class Harness:
             n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
             props = plan.proposal_token_ids[i * width:i * width + n]
             assert -1 not in props
+            start = len(worker.cache[sid])
             worker.cache[sid].extend(props)
             assert len(worker.cache[sid]) <= worker.num_slots(sid)
+            worker.write(sid, start)
             hist = histories[i]
             out: list[int] = []
             for p in props:
@@ -658,13 +739,15 @@ def build(k: int = 4, max_model_len: int = 256, draft_max_model_len: int | None 
           target_ranks: int = 1, draft_ranks: int = 1, use_proposer: bool = True, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, disable_by_batch_size: int | None = None,
           policy: SpeculationPolicy | None = None, overlap: bool = False,
-          suffix_wrong: Callable[[int, int], bool] | None = None) -> Harness:
+          suffix_wrong: Callable[[int, int], bool] | None = None, enable_prefix_caching: bool = False,
+          hit_margin: int = 0) -> Harness:
     """A scheduler with ample pools by default; ``draft_blocks=None``: proposers without a KV
     pool (n-gram style). Pool sizes are per rank (an int: the same for every rank). The fake
     workers' pools are the same size as the mirrors. One rank is passed as a bare pool (the
-    single-pool form of the API), several as a list. ``policy``: static k by default."""
+    single-pool form of the API), several as a list. ``policy``: static k by default.
+    Prefix caching is off unless asked (the tests written before it count every token)."""
     cache = CacheConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
     spec = SpeculationConfig(proposer="draft" if use_proposer and k else "none", num_speculative_tokens=k,
                              disable_by_batch_size=disable_by_batch_size, overlap=overlap)
     t_sizes = _per_rank(target_blocks, target_ranks)
@@ -678,7 +761,8 @@ def build(k: int = 4, max_model_len: int = 256, draft_max_model_len: int | None 
         dpools = dpools[0] if len(dpools) == 1 else dpools
     policy = policy if policy is not None else StaticPolicy(spec)
     sched = Scheduler(cache, spec, max_model_len, tpools[0] if len(tpools) == 1 else tpools, dpools,
-                      draft_max_model_len=draft_max_model_len, num_proposers=len(d_sizes), policy=policy)
+                      draft_max_model_len=draft_max_model_len, num_proposers=len(d_sizes), policy=policy,
+                      prefix_cache_key="harness", hit_margin=hit_margin)
     targets = [FakeWorker(f"target{r}", n, block_size) for r, n in enumerate(t_sizes)]
     drafts = [FakeWorker(f"draft{d}", n, block_size) for d, n in enumerate(d_sizes)]
     return Harness(sched, targets, drafts, suffix_wrong=suffix_wrong)

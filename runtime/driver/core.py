@@ -68,10 +68,14 @@ class DriverCore(Admission, Streams, StepLoop):
             self.pool = launch.result()
         bs = config.cache.block_size
         draft_pools = [BlockManager(n, bs) for n in self.pool.draft_blocks] if self.pool.draft_blocks else None
+        # A cached block's name says which models computed it (and in which dtype).
+        model = config.model
+        cache_key = repr((model.target, model.draft if config.speculation.draft_model else None, model.dtype))
         self.scheduler = Scheduler(config.cache, config.speculation, self.max_model_len,
                                    [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
                                    draft_max_model_len=config.model.draft_max_model_len,
-                                   num_proposers=self.pool.proposer.num_ranks, policy=policy)
+                                   num_proposers=self.pool.proposer.num_ranks, policy=policy,
+                                   prefix_cache_key=cache_key)
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process they run in turn, computing the same windows.
         engine = GroupEngine if wants_groups(config) else Engine

@@ -18,6 +18,7 @@ GAUGES = {
     "mean_draft_s": "mean time of a draft call",
     "mean_verify_s": "mean time of a verify call",
     "mean_overhead_s": "mean time of a step outside the workers' own compute (schedule, merge, messaging, driver)",
+    "prefix_cache_hit_rate": "tokens found in the prefix cache / tokens looked up (at admission)",
     "mean_mask_s": "mean host time per step of structured output's grammar masks (draft and target)",
 }
 COUNTERS = {
@@ -29,6 +30,8 @@ COUNTERS = {
     "num_preemptions": "sequences preempted",
     "num_requests_finished": "requests finished",
     "num_requests_aborted": "requests their clients abandoned (freed before the next step)",
+    "prefix_cache_queries": "tokens looked up in the prefix cache, a sequence's at each admission",
+    "prefix_cache_hits": "tokens found in the prefix cache (their KV not computed)",
 }
 
 

@@ -51,6 +51,7 @@ class Shown:
     logprobs: list | None
     stop_text_at: int | None
     stops: list[str]
+    num_cached_tokens: int = 0
 
 
 class Streams:
@@ -190,7 +191,8 @@ class Streams:
             return None
         delta = RequestOutput(request_id, req.prompt, tokens, text, full.finish_reason, full.num_draft_tokens,
                               full.num_accepted_tokens,
-                              full.logprobs[req.sent_tokens:] if full.logprobs is not None else None)
+                              full.logprobs[req.sent_tokens:] if full.logprobs is not None else None,
+                              full.num_cached_tokens)
         req.sent_tokens = max(req.sent_tokens, len(full.token_ids))
         req.sent_text = max(req.sent_text, len(full.text))
         if full.finished:
@@ -207,7 +209,7 @@ class Streams:
         end = req.committed
         return Shown(seq.request_id, req.prompt, seq.output_tokens[:end], seq.finish_reason if req.closed else None,
                       req.counts, list(seq.logprobs[:end]) if seq.logprobs is not None else None,
-                      req.stop_text_at, seq.params.stop)
+                      req.stop_text_at, seq.params.stop, seq.num_cached_tokens)
 
     def _render(self, shown: Shown) -> RequestOutput:
         """The output ``shown``, its text decoded (without the stop token that ended it,
@@ -225,4 +227,4 @@ class Streams:
             # A tail that may yet become a stop string is held until it does or does not.
             text = text[:len(text) - held_back(text, shown.stops)]
         return RequestOutput(shown.request_id, shown.prompt, list(tokens), text, reason, *shown.counts,
-                             shown.logprobs)
+                             shown.logprobs, shown.num_cached_tokens)

@@ -58,6 +58,9 @@ class PredraftBook:
             return None, 0
         pre, probs = got
         windows = len(set(pre.seq_ids))
+        if pre.has_probs and pre.width != plan.width:
+            # Its probabilities are [B, pre.width, V]; the step verifies [n, plan.width, V].
+            return None, windows
         held = branches(plan, pre)
         for sid, b in zip(plan.seq_ids, held):
             if sid in pre.seq_ids:

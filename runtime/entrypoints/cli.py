@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -41,6 +42,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench_chat(args, target: str, draft: str | None) -> int:
+    """``--prompts chat``: the draft model where there is one, else n-gram lookup."""
+    from statistics import median
+
+    from specray.runtime.bench.chat import bench_chat
+    from specray.runtime.config import RuntimeConfig
+    from specray.workers import model_loader
+
+    proposer = "draft" if draft else "ngram"
+    cfg = RuntimeConfig(target=target, draft=draft, proposer=proposer,
+                        num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
+                        executor=args.executor,
+                        layout="colocated" if args.colocate else "auto")
+    repeats = min(args.repeats, 2) if args.quick else args.repeats
+    max_tokens = min(args.max_tokens, 32) if args.quick else args.max_tokens
+    result = bench_chat(cfg, model_loader.load_tokenizer(target), args.conversations, args.concurrency,
+                        max_tokens, repeats)
+    print(f"chat: {proposer}, {args.conversations} conversations, concurrency {args.concurrency}, "
+          f"{max_tokens} tokens an answer, median of {repeats}")
+    for name, runs in result.items():
+        m = {k: median([r[k] for r in runs]) for k in runs[0]}
+        print(f"  {name:12s} ttft p50 {m['ttft_p50_ms']:8.1f} ms  p99 {m['ttft_p99_ms']:8.1f} ms  "
+              f"{m['tokens_per_s']:8.1f} tok/s  acceptance {m['acceptance_rate']:.3f}  "
+              f"hit rate {m['prefix_cache_hit_rate']:.3f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "chat.json"), "w") as f:
+        json.dump(dict(proposer=proposer, target=target, draft=draft, concurrency=args.concurrency,
+                       conversations=args.conversations, max_tokens=max_tokens, runs=result), f, indent=1)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from specray.runtime.bench.hf_runner import random_copy
     from specray.runtime.bench.report import format_table, write_outputs
@@ -54,6 +86,8 @@ def cmd_bench(args) -> int:
         raise SystemExit("bench needs --target (and --draft, for the draft runs), or the built-in pair")
     if args.random_draft and draft is None:
         raise SystemExit("--random-draft needs a draft to copy: give --draft")
+    if args.prompts == "chat":
+        return cmd_bench_chat(args, target, draft)
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     if args.workload == "json":
         return _bench_json(args, target, draft, sizes)
@@ -147,10 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--adaptive-variant", action="append", default=[], metavar="NAME=JSON",
                    help="another adaptive runtime with these policy_options beside the adaptive one, e.g. "
                         "lean='{\"shrinkage\": 4}' (with --policy adaptive or both)")
-    b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed", "repeat"],
+    b.add_argument("--prompts", default="code", choices=["code", "quote", "mixed", "repeat", "chat"],
                    help="code: held-out standard-library snippets to continue; quote: requests to rewrite a "
                         "paragraph the prompt quotes (where n-gram lookup pays); mixed: the two alternating; "
-                        "repeat: each code prompt asked four times in a row (where suffix decoding pays)")
+                        "repeat: each code prompt asked four times in a row (where suffix decoding pays); chat: "
+                        "multi-turn conversations after a shared 400-token system prompt, each turn's prompt the "
+                        "whole conversation, served with prefix caching on and off (TTFT, tokens/s, acceptance)")
+    b.add_argument("--concurrency", type=int, default=8, help="--prompts chat: conversations at once")
+    b.add_argument("--conversations", type=int, default=16, help="--prompts chat: conversations per repeat")
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")

@@ -33,9 +33,12 @@ UNSEEDED = SamplingParams(max_tokens=60, temperature=0.8)
 
 
 def config(**kw) -> RuntimeConfig:
+    # A step feeds at most 16 tokens: the batch's prompts, and the resumed requests' prompts
+    # and outputs after a restart, are prefilled in chunks beside the decoding ones, so a
+    # kill lands in the middle of chunked prefills.
     return RuntimeConfig(target=specray.builtin_model("tiny-target"), draft=specray.builtin_model("tiny-draft"),
                          num_speculative_tokens=3, device="cpu", dtype="float32", name="specray-failover",
-                         **kw)
+                         max_num_batched_tokens=16, **kw)
 
 
 # What other test modules left running is not this module's business.

@@ -100,6 +100,11 @@ def test_greedy_under_a_grammar_is_the_same_with_every_proposer_and_equals_plain
         outs, m = run_local(config("draft", block_size=4, num_kv_blocks=22), PROMPTS * 2, params)
         assert m["num_preemptions"] > 0
         assert [o.token_ids for o in outs] == expected * 2
+        # Prompts prefilled in chunks of a few tokens beside decoding ones: a chunk's
+        # discarded token never reaches a matcher.
+        outs, m = run_local(config("draft", max_num_batched_tokens=6), PROMPTS * 2, params)
+        assert m["num_prefill_chunks"] > 0
+        assert [o.token_ids for o in outs] == expected * 2
 
 
 @torch.no_grad()

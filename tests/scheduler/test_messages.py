@@ -426,11 +426,11 @@ def test_packed_encoding_beats_plain_lists_for_64bit_fields():
     p = big_plan()
     values = dict(zip([f.name for f in fields(StepPlan)], raw(p)[2]))
     wide = [f.name for f in fields(StepPlan) if f.metadata.get("pack") in ("q", "d")]
-    assert sorted(wide) == ["free_seq_ids", "seeds", "seq_ids", "temperature", "top_p"]
+    assert sorted(wide) == ["cached_seq_ids", "free_seq_ids", "seeds", "seq_ids", "temperature", "top_p"]
     packed = sum(len(pack(values[name])) for name in wide)
     lists = sum(len(pack(getattr(p, name))) for name in wide)
     items = sum(len(getattr(p, name)) for name in wide)
     assert items == 4 * 64
-    assert packed == 8 * items + 3 * 4 + 2 * 1  # bin16 headers for 512-byte fields, bin8 for the empty one
-    assert lists == 9 * items + 3 * 4 + 1 * 1   # array16 headers, fixarray for empty
+    assert packed == 8 * items + 3 * 4 + 2 * 2  # bin16 headers for 512-byte fields, bin8 for the empty ones
+    assert lists == 9 * items + 3 * 4 + 1 * 2   # array16 headers, fixarray for empty
     assert packed < lists

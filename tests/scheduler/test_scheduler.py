@@ -125,19 +125,27 @@ def test_max_num_seqs_and_token_budget_limit_admission():
     eng.run()
     assert_matches_reference(eng, ref)
     assert max(len(s.seqs) for s in eng.steps) == 3
-    # first step: two 8-token prompts fit the 20-token budget, a third does not
-    assert eng.steps[0].target_plans[0].seq_ids == [1, 2]
+    # first step: two 8-token prompts fit the 20-token budget, a third gets the 4 left (a chunk)
+    assert eng.steps[0].target_plans[0].seq_ids == [1, 2, 3]
+    assert eng.steps[0].target_plans[0].num_new == [8, 8, 4]
     for s in eng.steps:
         assert sum(s.target_plans[0].num_new) <= 20
 
 
-def test_a_single_prompt_over_the_token_budget_still_runs_alone():
+def test_a_prompt_over_the_token_budget_runs_whole_alone_and_in_chunks_beside_others():
     eng = build(k=2, max_num_batched_tokens=4)
     eng.keep_steps = True
-    ref = add_requests(eng, [(1, 10, 3), (2, 10, 3)])
+    ref = add_requests(eng, [(1, 10, 30), (2, 10, 3)])
     eng.run()
     assert_matches_reference(eng, ref)
-    assert eng.steps[0].target_plans[0].seq_ids == [1]
+    plans = [s.target_plans[0] for s in eng.steps]
+    assert (plans[0].seq_ids, plans[0].num_new) == ([1], [10])         # alone: nothing to keep decoding
+    # beside sequence 1, which decodes every step, sequence 2 is fed what the budget leaves
+    fed_2 = [(p.num_new[1], p.proposal_lens[1]) for p in plans[1:] if p.seq_ids[:2] == [1, 2]]
+    assert sum(n for n, _ in fed_2) >= 10 and all(n <= 3 for n, _ in fed_2)
+    assert [x for _, x in fed_2[:3]] == [0, 0, 0]                     # chunks propose nothing
+    assert all(sum(p.num_new) <= 4 for p in plans[1:])
+    assert eng.num_chunks >= 3
 
 
 # -- (c) KV exhaustion -------------------------------------------------------------------------

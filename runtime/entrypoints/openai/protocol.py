@@ -130,6 +130,9 @@ def _common_with_call(body: object, kind: str, served: str,
     extra = {}
     if body.get("speculation") is not None:
         extra["speculation"] = _get(body, "speculation", (bool,))
+    if body.get("cache_salt") is not None:
+        # vLLM's extra: requests share cached prompt prefixes only with the same salt.
+        extra["cache_salt"] = _get(body, "cache_salt", (str,))
     fields = dict(max_tokens=max_tokens, temperature=_get(body, "temperature", (int, float), 1.0),
                   top_p=_get(body, "top_p", (int, float), 1.0), top_k=_get(body, "top_k", (int,), 0),
                   seed=_get(body, "seed", (int,)), stop_token_ids=_get(body, "stop_token_ids", (list,), []),
@@ -286,9 +289,11 @@ class Choice:
     finish_reason: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    cached_tokens: int = 0          # of the prompt, the tokens the prefix cache held
 
     def add(self, delta) -> None:
         self.prompt_tokens = len(delta.prompt_token_ids)
+        self.cached_tokens = getattr(delta, "num_cached_tokens", 0)
         self.token_ids += delta.token_ids
         self.text += delta.text
         self.logprobs += getattr(delta, "logprobs", None) or []
@@ -301,7 +306,9 @@ def usage(choices: list[Choice], num_prompts: int, n: int) -> dict:
     # Each prompt counts once, however many samples answer it (OpenAI's accounting).
     prompt = sum(c.prompt_tokens for c in choices[::n]) if choices else 0
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.cached_tokens for c in choices[::n]) if choices else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def spec_figures(choices: list[Choice]) -> dict:

@@ -52,3 +52,17 @@ def test_pre_drafting_follows_the_share_of_branches_that_held_and_probes_again()
         if book.wanted(one):
             break
     assert book.wanted(one)                                  # drifted back to its prior: probes again
+
+
+def test_a_pre_draft_with_probabilities_of_another_width_is_not_served():
+    """Its probabilities are [B, 2, V]: a step of width 1 verifies [n, 1, V] (seen when
+    chunked prefill and a shrinking proposal limit change a step's width)."""
+    book = PredraftBook()
+    sampled = pre()
+    sampled.has_probs = True
+    book.pending[0] = (sampled, "probs")
+    got, dropped = book.take(0, plan_for([1, 2], [10, 20], [[4, 7], [5, 8]], k=1))
+    assert got is None and dropped == 2
+    book.pending[0] = (pre(), None)                    # greedy: no probabilities, served in any width
+    got, _ = book.take(0, plan_for([1, 2], [10, 20], [[4, 7], [5, 8]], k=1))
+    assert got is not None and got.proposals.token_ids == [30, 40]

@@ -54,6 +54,8 @@ def test_choices_run_prompt_by_sample_with_seeds_counting_up():
     ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "speculation": "no"}, "speculation"),
+    ({"prompt": "x", "cache_salt": 7}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_fields_are_refused_naming_them(body, param):
     with pytest.raises(api.ApiError) as e:
@@ -83,12 +85,15 @@ def test_responses_carry_usage_once_per_prompt_and_specrays_figures():
     choices = []
     for i, (text, ntok) in enumerate([("x", 2), ("yy", 3), ("z", 1), ("w", 4)]):
         c = api.Choice(i)
-        c.add(RequestOutput(str(i), [1] * (3 if i < 2 else 5), list(range(ntok)), text, "length", 4, 2))
+        c.add(RequestOutput(str(i), [1] * (3 if i < 2 else 5), list(range(ntok)), text, "length", 4, 2,
+                            num_cached_tokens=[0, 0, 4, 4][i]))
         choices.append(c)
     body = api.response(r, choices, {})
     assert body["object"] == "text_completion"
     assert [c["text"] for c in body["choices"]] == ["x", "yy", "z", "w"]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
+    # cached prompt tokens count once per prompt, as prompt_tokens do
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
     assert body["specray"] == {"num_draft_tokens": 16, "num_accepted_tokens": 8}
 
 
@@ -113,3 +118,8 @@ def test_client_errors_are_invalid_request_errors_and_server_ones_server_errors(
     assert [api.ApiError(s, "m").type for s in (400, 401, 404, 413, 415, 429, 500, 503)] == [
         "invalid_request_error", "invalid_request_error", "not_found_error", "invalid_request_error",
         "invalid_request_error", "rate_limit_error", "server_error", "service_unavailable"]
+
+
+def test_cache_salt_reaches_sampling_params():
+    assert completion(prompt="x", cache_salt="tenant-a").params[0].cache_salt == "tenant-a"
+    assert completion(prompt="x").params[0].cache_salt is None
