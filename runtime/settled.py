@@ -11,6 +11,8 @@ and handed on whole. Every part reads the settled configuration; none decides ag
   (``max_position_embeddings``).
 - ``draft_max_model_len``: the draft model's, within ``max_model_len`` (it serves the
   target's sequences); past it a sequence decodes without proposals.
+- ``tensor_parallel_size``: checked against the target's heads, KV heads and MLP once its
+  config can be read; a split the layers do not divide is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from specray.runtime.config import RuntimeConfig
-from specray.workers.model_files import settle_windows
+from specray.workers.model_files import read_config, settle_windows
 
 
 def settle(config: RuntimeConfig) -> RuntimeConfig:
@@ -35,4 +37,11 @@ def settle(config: RuntimeConfig) -> RuntimeConfig:
     k = spec.num_speculative_tokens
     if k >= model.max_model_len:
         raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {model.max_model_len}")
+    tp = config.cluster.tensor_parallel_size
+    if tp > 1:
+        from types import SimpleNamespace
+
+        from specray.workers.tensor_parallel import check_split
+
+        check_split(SimpleNamespace(**read_config(model.target)), tp, "tensor_parallel_size")
     return config.replace(model=model, speculation=spec)
