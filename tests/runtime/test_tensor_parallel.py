@@ -89,6 +89,19 @@ def test_sigkill_of_a_rank_mid_stream_loses_nothing(runtime, expected):
     assert [o.token_ids for o in outs] == [e[:16] for e in expected[:2]]
 
 
+def test_colocated_tp2_equals_transformers(ray_module, llama_pair, expected):
+    """The co-located layout: draft and the target's rank 0 in the driver's process."""
+    t, d = llama_pair
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", layout="colocated", tensor_parallel_size=2))
+    try:
+        outs = rt.generate(PROMPTS[:3], greedy(24))
+        assert [o.token_ids for o in outs] == [e[:24] for e in expected[:3]]
+        assert rt.metrics()["tensor_parallel_size"] == 2
+    finally:
+        rt.shutdown()
+
+
 def test_splits_the_model_does_not_divide_are_refused(llama_pair):
     from specray.runtime.settled import settle
 
