@@ -86,7 +86,11 @@ class TargetGroup:
         self.pg = None
         self.store = None
         self.worker = None
-        self.start(allocate)
+        try:
+            self.start(allocate)
+        except BaseException:
+            self.stop()
+            raise
 
     def start(self, allocate: bool = True) -> None:
         """Rendezvous, placement, rank actors, and rank 0 here (``allocate=False``: its KV

@@ -133,25 +133,30 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     # In this process a model's load cannot be stopped halfway: look between workers.
     cluster = cfg.cluster
     targets, drafts, groups = [], [], []
-    for _ in range(cluster.num_target_workers):
-        _check(cancel)
-        if cluster.tensor_parallel_size > 1:
-            groups.append(_target_group(cfg, cfg.cache, allocate=False))
-            targets.append(groups[-1].worker)
-        else:
-            targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
-    if cfg.speculation.draft_model:
-        for _ in range(cluster.num_draft_workers):
+    try:
+        for _ in range(cluster.num_target_workers):
             _check(cancel)
-            drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
-    workers = targets + drafts
-    # Every model is in before any cache is sized: they share this process's part of the GPU.
-    share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
-    blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
-        plan_blocks([w.runner.need for w in workers], share)
-    for w, b in zip(workers, blocks):
-        _check(cancel)
-        w.runner.allocate(b)
+            if cluster.tensor_parallel_size > 1:
+                groups.append(_target_group(cfg, cfg.cache, allocate=False))
+                targets.append(groups[-1].worker)
+            else:
+                targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
+        if cfg.speculation.draft_model:
+            for _ in range(cluster.num_draft_workers):
+                _check(cancel)
+                drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
+        workers = targets + drafts
+        # Every model is in before any cache is sized: they share this process's part of the GPU.
+        share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
+        blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
+            plan_blocks([w.runner.need for w in workers], share)
+        for w, b in zip(workers, blocks):
+            _check(cancel)
+            w.runner.allocate(b)
+    except BaseException:
+        for g in groups:            # else their rank actors and placement outlive the failed start
+            g.stop()
+        raise
     if groups:
         for g in groups:
             g.follow()
