@@ -113,3 +113,13 @@ def test_splits_the_model_does_not_divide_are_refused(llama_pair):
         RuntimeConfig(target=t, draft=d, executor="transformers", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         RuntimeConfig(target=t, draft=d, tensor_parallel_size=0)
+
+
+def test_more_ranks_than_the_node_holds_are_refused(ray_module, llama_pair):
+    from specray.runtime.transport.target_group import TargetGroup
+    from specray.scheduler.config import CacheConfig
+    from specray.workers.config import ModelConfig
+
+    # The test Ray has 2 CPUs: two ranks asking for 2 each do not fit its node.
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the driver's node has 2 CPUs, its ranks ask for 4"):
+        TargetGroup(ModelConfig(target=llama_pair[0], device="cpu"), CacheConfig(), 2, {"CPU": 2}, False, 5.0, 5.0)
