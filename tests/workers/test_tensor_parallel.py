@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 from specray_testing import worker_configs
 
 from specray.workers import rank_group
+from specray.workers.draft_worker import DraftWorker
 from specray.workers.model_runner import ModelRunner
 from specray.workers.sampling import logits_to_probs
 from specray.workers.target_worker import TargetWorker
@@ -224,6 +225,33 @@ def test_tp2_sampled_verify_keeps_the_target_distribution(dirs, ranks, plan_buil
     observed = [firsts.count(t) for t in support]
     expected = [float(p[t]) for t in support]
     assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
+
+
+def test_tp2_draft_proposes_and_predrafts_as_tp1(dirs, ranks, plan_builder):
+    """A draft's ranks run its whole calls: greedy and sampled proposals, their
+    probabilities and the pre-draft past them equal the whole model's."""
+    path = dirs["qwen2_bias"]
+    groups = ranks.groups(field="draft_tensor_parallel_size")
+    m, c = worker_configs(path, path, block_size=BLOCK)
+    tp = ranks.run(lambda r: DraftWorker(m, c, group=groups[r]))
+    following = ranks.pool.submit(rank_group.follow, tp[1], groups[1])
+    whole = DraftWorker(m, c)
+    g = torch.Generator().manual_seed(17)
+    seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 4, 10)]
+    width = 3
+    plan = plan_builder([0, 1, 2], [0, 0, 0], [len(t) for t in seqs], [t for s in seqs for t in s],
+                        [len(t) + 2 * width + 1 for t in seqs], width=width, proposal_lens=[3, 2, 3],
+                        temperature=[0.0, 0.8, 1.3], top_k=[0, 0, 5], top_p=[1.0, 0.9, 1.0], seeds=[5, 6, 7],
+                        step_id=4)
+    (got, probs), (want, want_probs) = tp[0].propose(plan), whole.propose(plan)
+    assert got.token_ids == want.token_ids and got.proposal_lens == want.proposal_lens
+    assert (probs - want_probs).abs().max().item() < 1e-5
+    (pre, _), (pre_want, _) = tp[0].predraft(4), whole.predraft(4)
+    assert pre.seq_ids == pre_want.seq_ids == [0, 1, 2] and pre.token_ids == pre_want.token_ids
+    tp[0].share.stop()
+    assert following.result(timeout=60) == 2
+    for grp in groups:
+        grp.close()
 
 
 def test_bad_splits_are_refused_naming_the_field():
