@@ -11,8 +11,9 @@ and handed on whole. Every part reads the settled configuration; none decides ag
   (``max_position_embeddings``).
 - ``draft_max_model_len``: the draft model's, within ``max_model_len`` (it serves the
   target's sequences); past it a sequence decodes without proposals.
-- ``tensor_parallel_size``: checked against the target's heads, KV heads and MLP once its
-  config can be read; a split the layers do not divide is refused before anything starts.
+- ``tensor_parallel_size``, ``draft_tensor_parallel_size``: checked against the model's
+  heads, KV heads and MLP once its config can be read; a split the layers do not allow is
+  refused before anything starts.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def settle(config: RuntimeConfig) -> RuntimeConfig:
     k = spec.num_speculative_tokens
     if k >= model.max_model_len:
         raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {model.max_model_len}")
-    tp = config.cluster.tensor_parallel_size
-    if tp > 1:
-        from types import SimpleNamespace
+    from types import SimpleNamespace
 
-        from specray.workers.tensor_parallel import check_split
+    from specray.workers.tensor_parallel import check_split
 
-        check_split(SimpleNamespace(**read_config(model.target)), tp, "tensor_parallel_size")
+    for name, path in (("tensor_parallel_size", model.target), ("draft_tensor_parallel_size", model.draft)):
+        tp = getattr(config.cluster, name)
+        if tp > 1 and path:
+            check_split(SimpleNamespace(**read_config(path)), tp, name)
     return config.replace(model=model, speculation=spec)

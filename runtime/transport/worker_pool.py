@@ -207,7 +207,7 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     # Tensor parallel: every group's rank 0 runs here, its other ranks on actors of their own
-    # (``target_group``); data-parallel target actors are whole models.
+    # (``rank_groups``); data-parallel target actors are whole models.
     tp = cluster.tensor_parallel_size > 1
     kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
              for _ in range(0 if tp else cluster.num_target_workers - 1)]
@@ -237,9 +237,12 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
             else:
                 strategy = "SPREAD"
+            # A tensor-parallel draft's actor is its rank 0: it starts the other ranks, asking for what it asks.
+            dtp = cluster.draft_tensor_parallel_size if kind == "draft" else 1
+            tp_args = (dtp, opts, cluster.tensor_parallel_timeout_s, cluster.placement_timeout_s) if dtp > 1 else ()
             actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cluster.max_worker_restarts,
                                       max_task_retries=0).remote(worker_model(cfg, kind),
-                                                                 worker_cache(cfg.cache, opts["num_gpus"])))
+                                                                 worker_cache(cfg.cache, opts["num_gpus"]), *tp_args))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]
@@ -301,16 +304,18 @@ def _target_group(cfg: RuntimeConfig, cache: CacheConfig, allocate: bool = True)
     """A tensor-parallel target: rank 0 here, the other ranks actors on this node."""
     import ray
 
-    from specray.runtime.transport.target_group import TargetGroup
+    from specray.runtime.transport.actor_handle import actor_options
+    from specray.runtime.transport.rank_groups import RankSet
 
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    return TargetGroup(worker_model(cfg, "target"), cache, cluster.tensor_parallel_size, cluster.target_resources,
-                       gpu, cluster.tensor_parallel_timeout_s, cluster.placement_timeout_s, allocate=allocate)
+    return RankSet("target", worker_model(cfg, "target"), cache, cluster.tensor_parallel_size,
+                   actor_options(cluster.target_resources, gpu), cluster.tensor_parallel_timeout_s,
+                   cluster.placement_timeout_s, allocate=allocate)
 
 
 def _group_call(group, cluster):
-    from specray.runtime.transport.target_group import GroupCall
+    from specray.runtime.transport.rank_groups import GroupCall
 
     return GroupCall(group, cluster.max_worker_restarts)
 

@@ -102,6 +102,59 @@ def test_colocated_tp2_equals_transformers(ray_module, llama_pair, expected):
         rt.shutdown()
 
 
+def kill_mid_stream(rt, victim: int) -> list[list[int]]:
+    """Stream the first prompt and generate the others beside it; SIGKILL ``victim`` once
+    the stream has its first tokens. Every request's tokens."""
+    batch: list = []
+    failed: list[BaseException] = []
+
+    def rest():
+        try:
+            batch.extend(rt.generate(PROMPTS[1:], greedy()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            failed.append(e)
+
+    others = threading.Thread(target=rest)
+    others.start()
+    streamed: list[int] = []
+    for delta in rt.stream(PROMPTS[0], greedy()):
+        if not streamed and delta.token_ids:
+            os.kill(victim, signal.SIGKILL)
+        streamed += delta.token_ids
+    others.join(timeout=300)
+    if failed:
+        raise failed[0]
+    return [streamed] + [o.token_ids for o in batch]
+
+
+def test_a_tp2_draft_proposes_and_survives_a_rank_death(ray_module, llama_pair, expected):
+    """draft_tensor_parallel_size=2: the draft actor is rank 0 and starts its other rank.
+    A SIGKILLed draft rank takes the draft actor down; Ray restarts it with a new rank, the
+    target decodes alone meanwhile: the tokens do not change."""
+    t, d = llama_pair
+    rt = SpecRuntime(RuntimeConfig(target=t, draft=d, num_speculative_tokens=3, block_size=4, device="cpu",
+                                   dtype="float32", draft_tensor_parallel_size=2, max_worker_restarts=2))
+    try:
+        m = rt.metrics()
+        assert m["layout"] == "actors" and m["draft_tensor_parallel_size"] == 2
+        (victim,) = alive_pids("DraftRankActor")
+        assert kill_mid_stream(rt, victim) == expected
+        assert rt.metrics()["num_draft_worker_failures"] >= 1
+        deadline = time.time() + 90
+        while not (alive_pids("DraftRankActor") and victim not in alive_pids("DraftRankActor")):
+            assert time.time() < deadline
+            time.sleep(0.5)
+        # The new draft actor answers once its ranks have loaded: until then the target
+        # decodes alone. Then its group proposes again.
+        before = rt.metrics()["num_accepted_tokens"]
+        while rt.metrics()["num_accepted_tokens"] == before:
+            assert time.time() < deadline + 60
+            outs = rt.generate(PROMPTS[:2], greedy(16))
+            assert [o.token_ids for o in outs] == [e[:16] for e in expected[:2]]
+    finally:
+        rt.shutdown()
+
+
 def test_splits_the_model_does_not_divide_are_refused(llama_pair):
     from specray.runtime.settled import settle
 
@@ -113,13 +166,20 @@ def test_splits_the_model_does_not_divide_are_refused(llama_pair):
         RuntimeConfig(target=t, draft=d, executor="transformers", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         RuntimeConfig(target=t, draft=d, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 runs the draft on actors"):
+        RuntimeConfig(target=t, draft=d, layout="colocated", draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 needs a draft model"):
+        RuntimeConfig(target=t, proposer="ngram", draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=3: num_key_value_heads 2"):
+        settle(RuntimeConfig(target=t, draft=d, device="cpu", layout="actors", draft_tensor_parallel_size=3))
 
 
 def test_more_ranks_than_the_node_holds_are_refused(ray_module, llama_pair):
-    from specray.runtime.transport.target_group import TargetGroup
+    from specray.runtime.transport.rank_groups import RankSet
     from specray.scheduler.config import CacheConfig
     from specray.workers.config import ModelConfig
 
     # The test Ray has 2 CPUs: two ranks asking for 2 each do not fit its node.
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: the driver's node has 2 CPUs, its ranks ask for 4"):
-        TargetGroup(ModelConfig(target=llama_pair[0], device="cpu"), CacheConfig(), 2, {"CPU": 2}, False, 5.0, 5.0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: rank 0's node has 2 CPUs, its ranks ask for 4"):
+        RankSet("target", ModelConfig(target=llama_pair[0], device="cpu"), CacheConfig(), 2,
+                {"num_cpus": 2, "num_gpus": 0}, 5.0, 5.0)

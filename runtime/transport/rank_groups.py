@@ -1,21 +1,30 @@
-"""A tensor-parallel target worker: rank 0 in the driver's process, the other ranks Ray
-actors (``TargetRankActor``), and the driver's ``WorkerCall`` on the group (``GroupCall``).
+"""Tensor-parallel workers: a group's rank 0 where the worker would run whole, its other
+ranks Ray actors (``TargetRankActor``, ``DraftRankActor``); and the driver's
+``WorkerCall`` on a target group whose rank 0 is in its process (``GroupCall``).
 
-Start: the driver hosts the group's rendezvous (a torch ``TCPStore`` on a free port of its
-node), reserves one bundle a rank past 0 in a ``STRICT_PACK`` placement group pinned to
-its own node (the ranks meet in collectives every layer: they share a node), and starts
-the rank actors; every rank, its own rank 0 included, joins the group and loads its part
-of the model at once. Each rank past 0 then runs ``rank_group.follow`` in one long actor
-call: the steps reach it from rank 0 by a broadcast, not by a Ray call per step.
+Start (``RankSet``): the process of rank 0 hosts the group's rendezvous (a torch
+``TCPStore`` on a free port of its node), reserves one bundle a rank past 0 in a
+``STRICT_PACK`` placement group pinned to its own node (the ranks meet in collectives
+every layer: they share a node), and starts the rank actors; every rank, rank 0 included,
+joins the group and loads its part of the model at once. Each rank past 0 then runs
+``rank_group.follow`` in one long actor call: the steps reach it from rank 0 by a
+broadcast, not by a Ray call per step.
+
+Where rank 0 runs: a target's in the driver's process (both layouts); a draft's in its
+``DraftActor`` (``draft_actor``), which starts its own ranks.
 
 Faults: a rank's death takes its group down. Rank 0's collective with the dead rank fails
 (the peer's socket closes) or times out (``tensor_parallel_timeout_s``), or its follow
-call is seen ended before a step: ``GroupCall`` then answers ``WorkerLost`` (the engine
-requeues the group's sequences to recompute, as after a target actor's death), kills the
-ranks still up (none stays blocked on the dead one), and forms the group again on a
-thread of its own: new rank actors, rank 0's worker built anew over the new group.
-``alive`` is True once that is done; after ``max_worker_restarts`` re-formings the group
-is gone.
+call is seen ended before a step.
+
+- Target: ``GroupCall`` answers ``WorkerLost`` (the engine requeues the group's sequences
+  to recompute, as after a target actor's death), kills the ranks still up (none stays
+  blocked on the dead one), and forms the group again on a thread of its own: new rank
+  actors, rank 0's worker built anew over the new group. ``alive`` is True once that is
+  done; after ``max_worker_restarts`` re-formings the group is gone.
+- Draft: its ``DraftActor`` ends its own process; Ray restarts it as after any draft
+  actor's death (its rank actors and their placement go with it: it owns them), and the
+  new one forms a new group.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from datetime import timedelta
 
 import ray
 
-from specray.runtime.transport.actor_handle import WorkerActor, actor_options
+from specray.runtime.transport.actor_handle import WorkerActor
 from specray.runtime.transport.target_actor import probs_values
 from specray.runtime.transport.worker_call import WorkerLost
 from specray.scheduler.config import CacheConfig
@@ -37,7 +46,7 @@ log = logging.getLogger(__name__)
 _GROUP_IDS = itertools.count()
 
 
-def _join(address: tuple[str, int], rank: int, size: int, device: str, timeout_s: float):
+def _join(address: tuple[str, int], rank: int, size: int, device: str, timeout_s: float, field: str):
     """This process's rank of the group whose rendezvous is at ``address``."""
     import torch.distributed as dist
 
@@ -45,20 +54,27 @@ def _join(address: tuple[str, int], rank: int, size: int, device: str, timeout_s
     from specray.workers.tensor_parallel import RankGroup
 
     store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s))
-    return RankGroup(store, rank, size, resolve_device(device), timeout_s)
+    return RankGroup(store, rank, size, resolve_device(device), timeout_s, field)
 
 
-class TargetRankActor(WorkerActor):
-    """Rank ``rank`` (past 0) of a tensor-parallel target: joins the group, loads its part
-    of the model, then follows rank 0's steps in ``follow``."""
+def _worker_class(kind: str):
+    if kind == "target":
+        from specray.workers.target_worker import TargetWorker
+
+        return TargetWorker
+    from specray.workers.draft_worker import DraftWorker
+
+    return DraftWorker
+
+
+class _RankActor(WorkerActor):
+    kind = ""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, address: tuple[str, int], rank: int, size: int,
-                 timeout_s: float) -> None:
-        from specray.workers.target_worker import TargetWorker  # in the actor: see DraftActor
-
+                 timeout_s: float, field: str) -> None:
         super().__init__()
-        self.group = _join(address, rank, size, model.device, timeout_s)
-        self.worker = TargetWorker(model, cache, group=self.group)
+        self.group = _join(address, rank, size, model.device, timeout_s, field)
+        self.worker = _worker_class(self.kind)(model, cache, group=self.group)
 
     def follow(self) -> int:
         from specray.workers.rank_group import follow
@@ -69,17 +85,43 @@ class TargetRankActor(WorkerActor):
             self.group.close()
 
 
+def _remove_groups_named(name: str) -> None:
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    for gid, g in placement_group_table().items():
+        if g["name"] == name and g["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(gid))))
+
+
+class TargetRankActor(_RankActor):
+    """Rank ``rank`` (past 0) of a tensor-parallel target: joins the group, loads its part
+    of the model, then follows rank 0's steps in ``follow``."""
+
+    kind = "target"
+
+
+class DraftRankActor(_RankActor):
+    """Rank ``rank`` (past 0) of a tensor-parallel draft, as ``TargetRankActor``."""
+
+    kind = "draft"
+
+
 # Two calls at once: ``follow`` runs for the group's life, the driver's queries beside it.
-RemoteTargetRankActor = ray.remote(max_concurrency=2)(TargetRankActor)
+RANK_ACTORS = {"target": ray.remote(max_concurrency=2)(TargetRankActor),
+               "draft": ray.remote(max_concurrency=2)(DraftRankActor)}
+FIELDS = {"target": "tensor_parallel_size", "draft": "draft_tensor_parallel_size"}
 
 
-class TargetGroup:
-    """One tensor-parallel target: its rendezvous, its rank actors, rank 0's worker here."""
+class RankSet:
+    """One tensor-parallel worker (``kind`` "target" or "draft"): its rendezvous, its rank
+    actors, and rank 0's worker in this process. ``opts``: what each rank actor asks Ray
+    for (``actor_handle.actor_options``)."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, size: int, resources: dict, gpu: bool,
+    def __init__(self, kind: str, model: ModelConfig, cache: CacheConfig, size: int, opts: dict,
                  timeout_s: float, placement_timeout_s: float, allocate: bool = True) -> None:
+        self.kind, self.field = kind, FIELDS[kind]
         self.model, self.cache, self.size = model, cache, size
-        self.opts = actor_options(resources, gpu)
+        self.opts = opts
         self.timeout_s, self.placement_timeout_s = timeout_s, placement_timeout_s
         self.actors: list = []
         self.follows: list = []
@@ -101,7 +143,6 @@ class TargetGroup:
 
         from specray.runtime.driver.restarts import worker_group_name
         from specray.workers.model_loader import resolve_device
-        from specray.workers.target_worker import TargetWorker
         from specray.workers.tensor_parallel import RankGroup
 
         here = ray.util.get_node_ip_address()
@@ -113,22 +154,27 @@ class TargetGroup:
         # Every bundle must ask for something; the first pins the group to this node.
         bundles = [{**bundle, f"node:{here}": 0.001} if i == 0 else (bundle or {f"node:{here}": 0.001})
                    for i in range(self.size - 1)]
-        # Named after the workers' group, so that a restarted driver removes it with theirs.
+        # Named after the workers' group (the hosting actor's id), so that a restarted driver
+        # removes it with theirs; a restarted draft actor (the same id, the count anew) first
+        # removes what its predecessor left under the name.
         name = worker_group_name()
-        self.pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{name}-tp{next(_GROUP_IDS)}" if name else "")
+        name = f"{name}-tp{next(_GROUP_IDS)}" if name else ""
+        if name:
+            _remove_groups_named(name)
+        self.pg = placement_group(bundles, strategy="STRICT_PACK", name=name)
         if not ray.get(self.pg.ready(), timeout=self.placement_timeout_s):
-            raise RuntimeError(f"the cluster cannot place {self.size - 1} target ranks {bundles} beside the "
-                               f"driver within {self.placement_timeout_s:.0f}s")
+            raise RuntimeError(f"the cluster cannot place {self.size - 1} {self.kind} ranks {bundles} beside "
+                               f"rank 0 within {self.placement_timeout_s:.0f}s")
         address = (here, self.store.port)
         self.actors = [
-            RemoteTargetRankActor.options(
+            RANK_ACTORS[self.kind].options(
                 **self.opts, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=r - 1),
-            ).remote(self.model, self.cache, address, r, self.size, self.timeout_s)
+            ).remote(self.model, self.cache, address, r, self.size, self.timeout_s, self.field)
             for r in range(1, self.size)]
-        group = RankGroup(self.store, 0, self.size, resolve_device(self.model.device), self.timeout_s)
-        self.worker = TargetWorker(self.model, self.cache, allocate=allocate, group=group)
+        group = RankGroup(self.store, 0, self.size, resolve_device(self.model.device), self.timeout_s, self.field)
+        self.worker = _worker_class(self.kind)(self.model, self.cache, allocate=allocate, group=group)
 
     def _check_node(self, here: str) -> None:
         """More ranks than this node has devices for: refused, naming the setting."""
@@ -136,12 +182,10 @@ class TargetGroup:
         if node is None:
             return
         have = node.get("Resources", {})
-        if self.opts["num_gpus"] and self.size * self.opts["num_gpus"] > have.get("GPU", 0):
-            raise ValueError(f"tensor_parallel_size={self.size}: the driver's node has {have.get('GPU', 0):g} "
-                             f"GPUs, its ranks ask for {self.size * self.opts['num_gpus']:g}")
-        if self.opts["num_cpus"] and self.size * self.opts["num_cpus"] > have.get("CPU", 0):
-            raise ValueError(f"tensor_parallel_size={self.size}: the driver's node has {have.get('CPU', 0):g} "
-                             f"CPUs, its ranks ask for {self.size * self.opts['num_cpus']:g}")
+        for what, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+            if self.opts[key] and self.size * self.opts[key] > have.get(what, 0):
+                raise ValueError(f"{self.field}={self.size}: rank 0's node has {have.get(what, 0):g} {what}s, "
+                                 f"its ranks ask for {self.size * self.opts[key]:g}")
 
     def follow(self) -> None:
         """The ranks past 0 start following (after rank 0's cache is allocated)."""
@@ -186,7 +230,7 @@ class GroupCall:
 
     inline = True
 
-    def __init__(self, group: TargetGroup, max_restarts: int) -> None:
+    def __init__(self, group: RankSet, max_restarts: int) -> None:
         self.group = group
         self.max_restarts = max_restarts      # -1: formed again for ever
         self.losses = 0
