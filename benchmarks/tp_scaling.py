@@ -14,7 +14,8 @@ Each prefills ``batch`` sequences of ``--context`` tokens, then times verify-sha
 (k + 1 tokens a sequence, every row's logits, as ``TargetWorker.verify`` asks) over the
 same positions, and reports the median milliseconds per step, the speedups over
 ``tp1_1t``, and for ``tp2`` the time rank 0 spent in collectives (the all-reduces and the
-logits' gather) per step, both medians. The default model is SmolLM2-135M (``specray models fetch
+logits' gather) per step, both medians, and the largest logit difference from
+``tp1_1t`` (exit 1 past float32 noise). The default model is SmolLM2-135M (``specray models fetch
 smollm2``; its 9 query and 3 KV heads split 6 + 3 and 2 + 1); ``--smoke`` runs a tiny
 random model for a few steps, to check the script works. The figures mean something only
 on an otherwise idle machine with two free cores.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import socket
 import statistics
 import tempfile
@@ -93,11 +95,12 @@ def _rank(args: dict, rank: int, size: int, threads: int, port: int, out) -> Non
             comm0 = group.comm_s if group else 0.0
             t0 = time.perf_counter()
             r.kv.apply(step)
-            r.forward(sids, [ctx] * b, [k + 1] * b, ids, rows)
+            logits = r.forward(sids, [ctx] * b, [k + 1] * b, ids, rows)
             times.append(time.perf_counter() - t0)
             comms.append(group.comm_s - comm0 if group else 0.0)
         w = args["warmup"]
-        results[b] = (statistics.median(times[w:]) * 1e3, statistics.median(comms[w:]) * 1e3)
+        results[b] = (statistics.median(times[w:]) * 1e3, statistics.median(comms[w:]) * 1e3,
+                      logits.numpy().copy())     # numpy: a tensor would cross as shared memory of an ended process
         r.kv.apply(replace(_plan([], [], [], []), free_seq_ids=sids))      # the next batch size starts empty
     if rank == 0:
         out.put(results)
@@ -150,19 +153,29 @@ def main() -> int:
             p.join(timeout=60)
             if p.exitcode:
                 raise SystemExit(f"{name}: rank process exited with {p.exitcode}")
-    print(f"{'batch':>5} {'setup':>7} {'ms/step':>9} {'speedup':>8} {'collective ms':>14}")
+    print(f"{'batch':>5} {'setup':>7} {'ms/step':>9} {'speedup':>8} {'collective ms':>14} {'max|dlogit|':>12}")
+    failed = []
     for b in args["batch_sizes"]:
-        base = summary["setups"]["tp1_1t"][b][0]
+        base, ref = summary["setups"]["tp1_1t"][b][0], summary["setups"]["tp1_1t"][b][2]
         for name in SETUPS:
-            ms, comm = summary["setups"][name][b]
-            print(f"{b:>5} {name:>7} {ms:>9.2f} {base / ms:>7.2f}x {comm:>14.2f}")
-        tp2, two = summary["setups"]["tp2"][b][0], summary["setups"]["tp1_2t"][b][0]
+            ms, comm, logits = summary["setups"][name][b]
+            diff = float(abs(logits - ref).max())
+            summary["setups"][name][b] = {"ms_per_step": ms, "collective_ms": comm, "max_abs_dlogit": diff}
+            print(f"{b:>5} {name:>7} {ms:>9.2f} {base / ms:>7.2f}x {comm:>14.2f} {diff:>12.2e}")
+            # The same math summed in another order: float32 noise, relative to the logits' scale.
+            if diff > 1e-4 * max(1.0, float(abs(ref).max())):
+                failed.append(f"batch {b} {name}: logits differ from tp1_1t by {diff:.3g}")
+        tp2, two = (summary["setups"][n][b]["ms_per_step"] for n in ("tp2", "tp1_2t"))
         print(f"{b:>5}   tp2 / tp1_1t speedup {base / tp2:.2f}x (goal >= 1.5), tp2 vs tp1_2t {two / tp2:.2f}x "
               f"(goal >= 0.9)")
+    for f in failed:
+        print("FAIL " + f)
+    if a.smoke:
+        shutil.rmtree(model, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
