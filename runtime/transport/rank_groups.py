@@ -32,6 +32,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
@@ -128,6 +130,7 @@ class RankSet:
         self.pg = None
         self.store = None
         self.worker = None
+        self.num_blocks: int | None = None     # once sized: a group formed again keeps it (the driver's mirror does)
         try:
             self.start(allocate)
         except BaseException:
@@ -166,15 +169,16 @@ class RankSet:
             raise RuntimeError(f"the cluster cannot place {self.size - 1} {self.kind} ranks {bundles} beside "
                                f"rank 0 within {self.placement_timeout_s:.0f}s")
         address = (here, self.store.port)
+        cache = self.cache if self.num_blocks is None else replace(self.cache, num_kv_blocks=self.num_blocks)
         self.actors = [
             RANK_ACTORS[self.kind].options(
                 **self.opts, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=r - 1),
-            ).remote(self.model, self.cache, address, r, self.size, self.timeout_s, self.field)
+            ).remote(self.model, cache, address, r, self.size, self.timeout_s, self.field)
             for r in range(1, self.size)]
         group = RankGroup(self.store, 0, self.size, resolve_device(self.model.device), self.timeout_s, self.field)
-        self.worker = _worker_class(self.kind)(self.model, self.cache, allocate=allocate, group=group)
+        self.worker = _worker_class(self.kind)(self.model, cache, allocate=allocate, group=group)
 
     def _check_node(self, here: str) -> None:
         """More ranks than this node has devices for: refused, naming the setting."""
@@ -203,6 +207,8 @@ class RankSet:
         from ray.util.placement_group import remove_placement_group
 
         w, self.worker = self.worker, None
+        if w is not None and w.runner.kv is not None:
+            self.num_blocks = w.num_blocks()
         if w is not None and w.share is not None and not w.share.group.broken and not self.broken():
             try:
                 w.share.stop()
@@ -226,18 +232,29 @@ class RankSet:
 
 class GroupCall:
     """The engine's ``WorkerCall`` on a tensor-parallel target whose rank 0 runs here: it
-    verifies in ``submit`` (``inline``), and turns the group's loss into ``WorkerLost``."""
+    verifies in ``submit`` (``inline``), or, ``threaded``, on a thread of its own (so the
+    data-parallel groups past the first verify beside it), and turns the group's loss
+    into ``WorkerLost``."""
 
-    inline = True
-
-    def __init__(self, group: RankSet, max_restarts: int) -> None:
+    def __init__(self, group: RankSet, max_restarts: int, threaded: bool = False) -> None:
         self.group = group
         self.max_restarts = max_restarts      # -1: formed again for ever
         self.losses = 0
         self._reform: threading.Thread | None = None
         self._reform_error: BaseException | None = None
+        # One thread: the calls of two steps in flight run in the order submitted.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="specray-tp-verify") if threaded else None
+        self.inline = not threaded
 
     def submit(self, plan, probs):
+        if self._thread is not None:
+            return self._thread.submit(self._verify, plan, probs)
+        return self._verify(plan, probs)
+
+    def warm_up(self) -> None:
+        """Nothing to open: rank 0 is in this process."""
+
+    def _verify(self, plan, probs):
         if self._reform is not None:
             return WorkerLost("the tensor-parallel target is re-forming")
         g = self.group
@@ -251,6 +268,8 @@ class GroupCall:
             return self._lose(f"the tensor-parallel target lost a rank: {e}")
 
     def wait(self, handle):
+        if isinstance(handle, Future):
+            handle = handle.result()
         if isinstance(handle, WorkerLost):
             raise handle
         return handle
@@ -290,6 +309,8 @@ class GroupCall:
         return 0 <= self.max_restarts < self.losses
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         if self._reform is not None:
             self._reform.join(timeout=self.group.timeout_s)
         self.group.stop()

@@ -160,7 +160,8 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     if groups:
         for g in groups:
             g.follow()
-        verifiers = [_group_call(g, cluster) for g in groups]
+        # Groups past the first verify on threads of their own, beside the first.
+        verifiers = [_group_call(g, cluster, threaded=i > 0) for i, g in enumerate(groups)]
     else:
         verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
@@ -270,7 +271,8 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     if tp:
         for g in groups:
             g.follow()
-        verifiers = [_group_call(g, cluster) for g in groups]
+        # Groups past the first verify on threads of their own, beside the first.
+        verifiers = [_group_call(g, cluster, threaded=i > 0) for i, g in enumerate(groups)]
     else:
         verifiers = [LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs)))]
     verifiers += [TargetHandle(a, restarts, link=cluster.worker_link) for a in targets]
@@ -314,10 +316,10 @@ def _target_group(cfg: RuntimeConfig, cache: CacheConfig, allocate: bool = True)
                    cluster.placement_timeout_s, allocate=allocate)
 
 
-def _group_call(group, cluster):
+def _group_call(group, cluster, threaded: bool = False):
     from specray.runtime.transport.rank_groups import GroupCall
 
-    return GroupCall(group, cluster.max_worker_restarts)
+    return GroupCall(group, cluster.max_worker_restarts, threaded)
 
 
 def _bundle(opts: dict) -> dict:
