@@ -17,6 +17,10 @@ out is kept (it writes its results as it goes).
 3. forward: ``benchmarks/executor_forward.py --graphs``: eager, CUDA graphs and the
    transformers path per forward, graphs checked against eager.
 4. bench: ``specray bench`` co-located and with worker actors (on CPU co-located only).
+5. tensor_parallel (two GPUs or more; skipped, not failed, with one): the built-in pair
+   with ``tensor_parallel_size=2`` (rank 0 beside the draft in the driver's process, rank
+   1 an actor on the second GPU, NCCL) must give transformers' float32 greedy output, with
+   the draft model and with n-gram proposals.
 
 Failures are ``gpu_report.failures``; exit 2 when specray cannot be imported here.
 """
@@ -34,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BUDGET_S = {"exactness": 150, "precision": 90, "forward": 60, "bench": 120}
+BUDGET_S = {"exactness": 150, "precision": 90, "forward": 60, "bench": 120, "tensor_parallel": 150}
 HERE = Path(__file__).resolve()
 
 
@@ -185,6 +189,49 @@ def part_bench(args, prog: Progress) -> None:
     ray.shutdown()
 
 
+def part_tensor_parallel(args, prog: Progress) -> None:
+    import ray
+    import torch
+
+    from specray import RuntimeConfig, SamplingParams, SpecRuntime
+    from specray.runtime.entrypoints.cli_args import builtin_model
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if gpus < 2:
+        prog.data["skipped"] = f"tensor parallel needs two GPUs, this machine has {gpus}"
+        print(f"tensor_parallel skipped: {prog.data['skipped']}", flush=True)
+        return
+    prompts, window = prompts_and_window(8, args.tokens)
+    expected = reference(args.device, "float32", prompts, args.tokens)
+    target, draft = builtin_model("tiny-target"), builtin_model("tiny-draft")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    for proposer in ("draft", "ngram"):
+        item = {"proposer": proposer, "tensor_parallel_size": 2}
+        t0 = time.perf_counter()
+        try:
+            rt = SpecRuntime(RuntimeConfig(target=target, draft=draft if proposer == "draft" else None,
+                                           proposer=proposer, device="cuda", dtype="float32", layout="colocated",
+                                           tensor_parallel_size=2, max_model_len=window, max_num_seqs=16,
+                                           placement_timeout_s=60))
+            try:
+                t1 = time.perf_counter()
+                outs = rt.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0))
+                dt = time.perf_counter() - t1
+                m = rt.metrics()
+            finally:
+                rt.shutdown()
+            got = [o.token_ids for o in outs]
+            item.update(exact=got == expected, tokens_per_s=round(sum(map(len, got)) / dt, 1),
+                        acceptance_rate=m["acceptance_rate"], reported_tp=m["tensor_parallel_size"])
+        except Exception as e:  # noqa: BLE001 - recorded; the other proposer still runs
+            item["error"] = f"{type(e).__name__}: {e}"[:500]
+        item["wall_s"] = round(time.perf_counter() - t0, 1)
+        print("tensor_parallel " + json.dumps(item), flush=True)
+        prog.data["items"].append(item)
+        prog.save()
+    ray.shutdown()
+
+
 def run_forward(args, budget: float) -> dict:
     sizes = "1,3,8,13,32" if args.device == "cuda" else "1,3"
     cmd = [sys.executable, str(HERE.with_name("executor_forward.py")), "--device", args.device, "--batch-sizes",
@@ -233,7 +280,8 @@ def run_part(name: str, args, budget: float) -> dict:
     return part
 
 
-PARTS = {"exactness": part_exactness, "precision": part_precision, "bench": part_bench}
+PARTS = {"exactness": part_exactness, "precision": part_precision, "bench": part_bench,
+         "tensor_parallel": part_tensor_parallel}
 
 
 def main() -> int:
@@ -267,7 +315,7 @@ def main() -> int:
     os.environ.setdefault("RAY_TMPDIR", env_tmp)      # a private Ray per part, away from any other
     summary = {"device": args.device, "dtype_exact": "float32", "parts": {}}
     t_all = time.perf_counter()
-    for name in ("exactness", "precision", "forward", "bench"):
+    for name in ("exactness", "precision", "forward", "bench", "tensor_parallel"):
         t0 = time.perf_counter()
         print(f"== {name} (budget {BUDGET_S[name]} s)", flush=True)
         part = run_forward(args, BUDGET_S[name]) if name == "forward" else run_part(name, args, BUDGET_S[name])

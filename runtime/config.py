@@ -35,6 +35,15 @@ class ClusterConfig:
 
     num_draft_workers: int = field(default=1, metadata={"help": "draft worker actors (data parallel shards)"})
     num_target_workers: int = field(default=1, metadata={"help": "target worker actors (data parallel)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks of each target worker (tensor parallel): its rank 0 in the driver's process, the others "
+                "Ray actors on the driver's node, one device each (gloo on CPU, float32 only; NCCL on CUDA)"})
+    draft_tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks of each draft worker (tensor parallel): its rank 0 the draft actor, the others actors it "
+                "starts on its node; needs the actor layout"})
+    tensor_parallel_timeout_s: float = field(default=60.0, metadata={
+        "help": "a tensor-parallel rank waits this long for its peers in a collective before its group is "
+                "taken down and formed again (s)"})
     draft_resources: dict = field(default_factory=dict, metadata={
         "help": 'what each draft worker asks Ray for, JSON, e.g. \'{"specray_draft": 1}\''})
     target_resources: dict = field(default_factory=dict, metadata={
@@ -76,6 +85,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         check_int("num_draft_workers", self.num_draft_workers)
         check_int("num_target_workers", self.num_target_workers)
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
+        check_number("tensor_parallel_timeout_s", self.tensor_parallel_timeout_s)
         check_int("max_worker_restarts", self.max_worker_restarts, 0)
         check_int("max_driver_restarts", self.max_driver_restarts, -1)
         check_number("driver_restart_timeout_s", self.driver_restart_timeout_s)
@@ -132,7 +144,9 @@ class RuntimeConfig:
         suffix_max_nodes: int = _UNSET, suffix_max_depth: int = _UNSET, suffix_min_prob: float = _UNSET,
         suffix_spec_factor: float = _UNSET,
         # ClusterConfig
-        num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, draft_resources: dict = _UNSET,
+        num_draft_workers: int = _UNSET, num_target_workers: int = _UNSET, tensor_parallel_size: int = _UNSET,
+        draft_tensor_parallel_size: int = _UNSET, tensor_parallel_timeout_s: float = _UNSET,
+        draft_resources: dict = _UNSET,
         target_resources: dict = _UNSET, max_worker_restarts: int = _UNSET, target_down_timeout_s: float = _UNSET,
         max_driver_restarts: int = _UNSET, driver_restart_timeout_s: float = _UNSET,
         layout: str = _UNSET, groups_in_flight: int = _UNSET,
@@ -167,6 +181,17 @@ class RuntimeConfig:
             raise ValueError(f"draft must be set when proposer={proposer!r}")
         if not self.speculation.draft_model and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
+        for name in ("tensor_parallel_size", "draft_tensor_parallel_size"):
+            tp = getattr(self.cluster, name)
+            if tp > 1 and self.model.executor == "transformers":
+                raise ValueError(f"{name}={tp} needs the native executor; executor='transformers' "
+                                 "runs whole models only")
+        dtp = self.cluster.draft_tensor_parallel_size
+        if dtp > 1 and not self.speculation.draft_model:
+            raise ValueError(f"draft_tensor_parallel_size={dtp} needs a draft model (proposer={proposer!r})")
+        if dtp > 1 and self.cluster.layout == "colocated":
+            raise ValueError(f"draft_tensor_parallel_size={dtp} runs the draft on actors of its own: "
+                             "layout='actors' (or 'auto')")
 
     def replace(self, **changes) -> "RuntimeConfig":
         """A copy with flat fields (or whole sections, ``seed``, ``max_pending``) changed."""

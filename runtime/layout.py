@@ -30,6 +30,9 @@ def choose(config: RuntimeConfig, num_nodes: int, num_gpus: float) -> tuple[str,
     cluster = config.cluster
     if cluster.layout != "auto":
         return cluster.layout, "asked for"
+    dtp = cluster.draft_tensor_parallel_size
+    if dtp > 1:
+        return "actors", f"draft_tensor_parallel_size={dtp}: the draft's ranks are actors"
     asks = [name for name in ("draft_resources", "target_resources") if getattr(cluster, name)]
     if asks:
         return "actors", f"{' and '.join(asks)} ask for separate resources"

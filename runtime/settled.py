@@ -11,6 +11,9 @@ and handed on whole. Every part reads the settled configuration; none decides ag
   (``max_position_embeddings``).
 - ``draft_max_model_len``: the draft model's, within ``max_model_len`` (it serves the
   target's sequences); past it a sequence decodes without proposals.
+- ``tensor_parallel_size``, ``draft_tensor_parallel_size``: checked against the model's
+  heads, KV heads and MLP once its config can be read; a split the layers do not allow is
+  refused before anything starts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from specray.runtime.config import RuntimeConfig
-from specray.workers.model_files import settle_windows
+from specray.workers.model_files import read_config, settle_windows
 
 
 def settle(config: RuntimeConfig) -> RuntimeConfig:
@@ -35,4 +38,12 @@ def settle(config: RuntimeConfig) -> RuntimeConfig:
     k = spec.num_speculative_tokens
     if k >= model.max_model_len:
         raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {model.max_model_len}")
+    from types import SimpleNamespace
+
+    from specray.workers.tensor_parallel import check_split
+
+    for name, path in (("tensor_parallel_size", model.target), ("draft_tensor_parallel_size", model.draft)):
+        tp = getattr(config.cluster, name)
+        if tp > 1 and path:
+            check_split(SimpleNamespace(**read_config(path)), tp, name)
     return config.replace(model=model, speculation=spec)

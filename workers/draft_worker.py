@@ -28,18 +28,24 @@ from specray.workers import model_loader
 from specray.workers.config import ModelConfig
 from specray.workers.grammar_step import GrammarSide
 from specray.workers.model_runner import ModelWorker
+from specray.workers.rank_group import OP_ADOPT, OP_PREDRAFT, OP_PROPOSE, StepShare
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
+from specray.workers.tensor_parallel import RankGroup
 
 
 class DraftWorker(ModelWorker):
     kind = "draft"
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True,
+                 group: RankGroup | None = None) -> None:
         """Runs ``model.draft``; ``model.target``'s window and vocabulary bound it
-        (``allocate`` as for ``TargetWorker``)."""
+        (``allocate`` as for ``TargetWorker``). ``group``: one rank of a tensor-parallel
+        draft; rank 0 shares each call with the others (``rank_group``), which make the
+        same one and draw the same tokens."""
         if not model.draft:
             raise ValueError("a draft worker needs ModelConfig.draft")
-        super().__init__(model.draft, model, cache, model.draft_max_model_len, allocate=allocate)
+        super().__init__(model.draft, model, cache, model.draft_max_model_len, allocate=allocate, group=group)
+        self.share = StepShare(group) if group is not None and group.size > 1 and group.rank == 0 else None
         own = self.runner.vocab_size
         # The target whose window bounds this draft's also bounds the ids it may propose.
         self.target_vocab = model_loader.load_config(model.target).vocab_size
@@ -63,12 +69,13 @@ class DraftWorker(ModelWorker):
         """Returns proposals ``[n, width]`` (-1 past each ``proposal_lens[i]``) and, when any
         sequence samples, the draft probabilities ``[n, width, V_target]`` its proposals
         were drawn from."""
+        if self.share is not None:
+            self.share.send(OP_PROPOSE, plan)
         self._last = self._pre = None
         out = self._propose(plan)
         self._last = (plan, out[0])
         return out
 
-    @torch.inference_mode()
     def predraft(self, step_id: int) -> tuple[Predraft, torch.Tensor | None]:
         """Drafts, while the target verifies window ``step_id``, the next window of each of
         its sequences on the optimistic outcome: every proposal accepted and the target's
@@ -77,6 +84,12 @@ class DraftWorker(ModelWorker):
         (``num_slots >= L + 2 proposal_len``). Proposals are drawn exactly as
         ``propose`` draws them on that prefix (the uniforms are keyed by position), so a
         branch that holds gives the window ``propose`` would give."""
+        if self.share is not None:
+            self.share.send(OP_PREDRAFT, arg=step_id)
+        return self._predraft(step_id)
+
+    @torch.inference_mode()
+    def _predraft(self, step_id: int) -> tuple[Predraft, torch.Tensor | None]:
         t0 = time.perf_counter()
         last, self._last, self._pre = self._last, None, None
         if last is None or last[0].step_id != step_id:
@@ -122,11 +135,13 @@ class DraftWorker(ModelWorker):
         pre = self._pre
         if pre is None:
             raise ValueError(f"adopt: step {plan.step_id} has no pre-draft to take its window from")
+        if self.share is not None:
+            self.share.send(OP_ADOPT, plan, list(chosen))
         r = self.runner
         r.check_plan(self._own_ids(plan))
         r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
         self._last = (plan, window(plan, pre, chosen))
-        return self.predraft(plan.step_id)
+        return self._predraft(plan.step_id)
 
     @torch.inference_mode()
     def _propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:

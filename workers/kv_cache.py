@@ -12,18 +12,22 @@ import torch
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.messages import StepPlan
 from specray.workers.errors import PlanError, StaleCacheError
+from specray.workers.tensor_parallel import local_kv_heads
 
 
-def kv_shape(config) -> tuple[int, int, int]:
+def kv_shape(config, tp_size: int = 1, tp_rank: int = 0) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of one worker's cache; rank ``tp_rank`` of a
+    tensor-parallel group of ``tp_size`` holds its own KV heads only (``tensor_parallel``)."""
     heads = config.num_attention_heads
     kvh = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kvh, head_dim
+    return config.num_hidden_layers, local_kv_heads(kvh, tp_size, tp_rank), head_dim
 
 
 class KVCache:
-    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        layers, kvh, head_dim = kv_shape(config)
+    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 tp_size: int = 1, tp_rank: int = 0):
+        layers, kvh, head_dim = kv_shape(config, tp_size, tp_rank)
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True, named_by_driver=True)
         # Tokens whose K/V each sequence may hold (fed plus lookahead written by its last

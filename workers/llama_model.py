@@ -13,6 +13,12 @@ reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
 ``forward(input_ids [T], positions [T], meta, logits_index [m], tail=None)`` returns
 logits [m, V] in the model's dtype, equal in math to transformers' forward; it is
 ``logits(hidden_states(...))``, split so that a CUDA graph can stop before the head.
+
+Tensor parallel: built with a ``RankGroup`` (``tensor_parallel``), the model holds this
+rank's part only (its query and KV heads, its MLP rows, its vocabulary slice) and its
+forward meets the other ranks in three collectives (embedding, o_proj, down_proj) and a
+gather at the head; ``heads`` and ``kv_heads`` are then this rank's. Every rank returns the
+same logits [m, V], and the hidden states between layers are whole on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from transformers.activations import ACT2FN
 
 from specray.workers.paged_attention import AttentionMetadata, QueryTail, attend, write_kv
 from specray.workers.rotary import STATIC_ROPE_TYPES, RotaryTable, apply_rotary, rope_type
+from specray.workers.tensor_parallel import RankGroup, Split
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -61,6 +68,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
+class _Shard:
+    """This rank's part of each weight ([out, in], as transformers holds it); the whole
+    weight without a split. Column-parallel projections keep their rows, row-parallel ones
+    their columns."""
+
+    def __init__(self, split: Split | None, head_dim: int) -> None:
+        self.split, self.head_dim = split, head_dim
+
+    def _range(self, what: str) -> tuple[int, int]:
+        s, d = self.split, self.head_dim
+        if what == "heads":
+            return s.q_first * d, s.heads * d
+        if what == "kv_heads":
+            return s.kv_first * d, s.kv_heads * d
+        return s.rank * s.inter, s.inter                                    # "inter"
+
+    def rows(self, w: torch.Tensor, what: str) -> torch.Tensor:
+        if self.split is None:
+            return w.detach()
+        first, count = self._range(what)
+        return w.detach()[first:first + count].clone()
+
+    def columns(self, w: torch.Tensor, what: str) -> torch.Tensor:
+        if self.split is None:
+            return w.detach()
+        first, count = self._range(what)
+        return w.detach()[:, first:first + count].clone()
+
+    def qkv(self, parts: list) -> list:
+        """[q, k, v] weights or biases (None stays None)."""
+        if self.split is None or parts[0] is None:
+            return parts
+        return [self.rows(parts[0], "heads"), self.rows(parts[1], "kv_heads"), self.rows(parts[2], "kv_heads")]
+
+    def vocab(self, w: torch.Tensor) -> torch.Tensor:
+        return w.detach() if self.split is None else self.split.vocab_rows(w)
+
+
 class _Layer:
     __slots__ = ("idx", "ln1", "qkv_w", "qkv_b", "o_w", "qk_norm", "ln2", "gate_up_w", "down_w",
                  "window", "scaling")
@@ -71,10 +116,12 @@ class NativeCausalLM:
         raise TypeError("use NativeCausalLM.from_hf")
 
     @classmethod
-    def from_hf(cls, hf_model, max_len: int, release: bool = False) -> "NativeCausalLM":
+    def from_hf(cls, hf_model, max_len: int, release: bool = False,
+                group: RankGroup | None = None) -> "NativeCausalLM":
         """``release``: empty each of ``hf_model``'s layers once its weights are fused, so
         the build holds the model plus one layer's copies at its peak, not the model twice
-        (the caller drops ``hf_model``)."""
+        (the caller drops ``hf_model``). ``group``: keep this rank's part of a
+        tensor-parallel split (every rank of the group builds at once)."""
         why = supports(hf_model)
         if why:
             raise ValueError(f"native executor cannot run this model: {why}")
@@ -86,11 +133,18 @@ class NativeCausalLM:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.vocab_size = config.vocab_size
+        self.tp = group if group is not None and group.size > 1 else None
+        split = Split.of(config, group.rank, group.size, group.field) if self.tp is not None else None
+        shard = _Shard(split, self.head_dim)
+        if split is not None:
+            self.heads, self.kv_heads = split.heads, split.kv_heads
         # The plain function where it is one: a module call costs more than SiLU itself at batch 1.
         self.act = F.silu if config.hidden_act in ("silu", "swish") else ACT2FN[config.hidden_act]
-        self.embed = inner.embed_tokens.weight.detach()
+        self.embed = shard.vocab(inner.embed_tokens.weight)
+        self.vocab_first = split.rank * split.vocab if split is not None else 0
         self.norm = inner.norm.weight.detach()
-        self.lm_head = _t(hf_model.lm_head.weight)               # a transposed copy, tied or not
+        self.lm_head = _t(shard.vocab(hf_model.lm_head.weight))  # a transposed copy, tied or not
         w = self.embed
         self.rotary = RotaryTable(inner.rotary_emb, max_len + 1, w.dtype, w.device)
         self.layers = []
@@ -100,10 +154,10 @@ class NativeCausalLM:
             L.idx = i
             L.ln1 = hl.input_layernorm.weight.detach()
             L.ln2 = hl.post_attention_layernorm.weight.detach()
-            L.qkv_w = _t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            L.qkv_w = _t(torch.cat(shard.qkv([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])))
             biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-            L.qkv_b = torch.cat(biases).detach() if biases[0] is not None else None
-            L.o_w = _t(a.o_proj.weight)
+            L.qkv_b = torch.cat(shard.qkv(biases)).detach() if biases[0] is not None else None
+            L.o_w = _t(shard.columns(a.o_proj.weight, "heads"))
             if a.o_proj.bias is not None:
                 raise ValueError("native executor cannot run this model: o_proj bias")
             # Qwen3's per-head q and k norms as one [heads + kv_heads, D] weight: q and k are
@@ -111,8 +165,8 @@ class NativeCausalLM:
             L.qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.heads, -1),
                                    a.k_norm.weight.detach().expand(self.kv_heads, -1)]) \
                 if hasattr(a, "q_norm") else None
-            L.gate_up_w = _t(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            L.down_w = _t(m.down_proj.weight)
+            L.gate_up_w = _t(torch.cat([shard.rows(p.weight, "inter") for p in (m.gate_proj, m.up_proj)]))
+            L.down_w = _t(shard.columns(m.down_proj.weight, "inter"))
             # Qwen2 sets it per layer on the attention module; Mistral reads the config.
             L.window = getattr(a, "sliding_window", None) if hasattr(a, "sliding_window") else \
                 getattr(config, "sliding_window", None)
@@ -135,14 +189,25 @@ class NativeCausalLM:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [m, D] (normed) -> logits [m, V]."""
-        return _mm(hidden, self.lm_head)
+        if self.tp is None:
+            return _mm(hidden, self.lm_head)
+        return self.tp.all_gather(_mm(hidden, self.lm_head))[:, :self.vocab_size]   # [m, size * V/size] -> [m, V]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, D]; split by vocabulary, each rank adds the rows it holds."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
         """The normed final hidden states [m, D] of ``logits_index``: what ``logits`` projects.
         A CUDA graph captures this much and leaves the vocabulary projection out, so its
         output is [rows, D], not [rows, V] (``step_graphs``)."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         t = h.shape[0]
         residual = None
@@ -167,10 +232,14 @@ class NativeCausalLM:
             o = attend(L.idx, qk[:, :self.heads], qk[:, self.heads:], v, meta, L.scaling, L.window,
                        write=not written)
             h = _mm(o.reshape(t, self.q_size), L.o_w)
+            if self.tp is not None:
+                h = self.tp.all_reduce(h)                # row-parallel: each rank's heads' share
             residual = residual + h
             x = rms_norm(residual, L.ln2, self.eps)
             gu = _mm(x, L.gate_up_w)
             h = _mm(self.act(gu[:, :self.inter]) * gu[:, self.inter:], L.down_w)
+            if self.tp is not None:
+                h = self.tp.all_reduce(h)
         h = residual + h
         h = h.index_select(0, logits_index)
         return rms_norm(h, self.norm, self.eps)

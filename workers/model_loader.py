@@ -8,6 +8,7 @@ looked for at, instead of ending in a hub error about a repository id.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -17,6 +18,10 @@ from specray.workers.model_files import looks_local, resolve_model_path  # noqa:
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# One load at a time in a process: from_pretrained builds on process-wide state (its
+# meta-device init), so two threads loading at once (the ranks of a tensor-parallel group
+# in one process) can meet each other's half-built modules.
+_LOAD_LOCK = threading.Lock()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -61,10 +66,11 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto"):
     dev = resolve_device(device)
     config = load_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
-    # The attention setting lives on the config: each model has its own config object.
-    model.set_attn_implementation(paged_attention.register())
-    model.to(dev).eval()
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
+        # The attention setting lives on the config: each model has its own config object.
+        model.set_attn_implementation(paged_attention.register())
+        model.to(dev).eval()
     return model, model.config, dev, torch_dtype
 
 

@@ -17,6 +17,7 @@ from specray.workers.config import ModelConfig
 from specray.workers.errors import PlanError
 from specray.workers.kv_cache import KVCache, kv_shape
 from specray.workers.paged_attention import build_metadata, query_tail
+from specray.workers.tensor_parallel import RankGroup, check_backend
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ class ModelRunner:
     and calls ``allocate`` on each."""
 
     def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window: int | None,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, group: RankGroup | None = None) -> None:
         """``path``: the checkpoint this runner loads (the target or the draft of ``model``);
         ``window``: the longest sequence it serves, as the driver decided it
-        (``workers.model_files.settle_windows``): no plan may reach past it."""
+        (``workers.model_files.settle_windows``): no plan may reach past it. ``group``: this
+        runner is one rank of a tensor-parallel group (``tensor_parallel``): it holds its
+        part of the model and KV cache, and every rank runs every forward with it."""
         if model.torch_threads:
             torch.set_num_threads(model.torch_threads)      # the whole process's: its workers share it
         self.path = path
@@ -45,6 +48,11 @@ class ModelRunner:
         self.max_num_seqs = cache.max_num_seqs
         before = memory_budget.allocated(model_loader.resolve_device(model.device))
         self.model, self.config, self.device, self.dtype = model_loader.load_model(path, model.dtype, model.device)
+        self.group = group if group is not None and group.size > 1 else None
+        self.tp_size = group.size if self.group is not None else 1
+        self.tp_rank = group.rank if self.group is not None else 0
+        if self.group is not None:
+            check_backend(self.device, self.dtype)
         self.vocab_size = self.config.vocab_size
         if window is None:
             raise ValueError(f"{path}: a worker is built with its window decided (workers.model_files.settle_windows)")
@@ -56,8 +64,10 @@ class ModelRunner:
             self.model = None
         memory_budget.release(self.device)
         self.query_lens = tuple(model.cuda_graph_query_lens) or (1,)
-        self.wants_graphs = self.native is not None and model.cuda_graphs and step_graphs.available(self.device)
-        layers, kvh, head_dim = kv_shape(self.config)
+        # A graph would capture the collectives too: tensor-parallel ranks run eagerly.
+        self.wants_graphs = self.native is not None and model.cuda_graphs and step_graphs.available(self.device) \
+            and self.group is None
+        layers, kvh, head_dim = kv_shape(self.config, self.tp_size, self.tp_rank)
         useful = cache.max_num_seqs * blocks_needed(self.max_model_len + 1, cache.block_size)
         sized = self.device.type == "cuda" and not cache.num_kv_blocks
         activations, graph_pool = self.profile_reserve() if sized else (0, 0)
@@ -74,8 +84,12 @@ class ModelRunner:
                 [self.need], cache.gpu_memory_utilization)[0])
 
     def allocate(self, num_blocks: int) -> None:
-        """The KV cache, then (where they apply) every CUDA graph over it."""
-        self.kv = KVCache(self.config, num_blocks, self.cache_config.block_size, self.dtype, self.device)
+        """The KV cache, then (where they apply) every CUDA graph over it. The ranks of a
+        group take the fewest blocks any of them sized: one plan serves them all."""
+        if self.group is not None:
+            num_blocks = self.group.min(num_blocks)
+        self.kv = KVCache(self.config, num_blocks, self.cache_config.block_size, self.dtype, self.device,
+                          self.tp_size, self.tp_rank)
         if self.wants_graphs:
             self._capture()
 
@@ -111,7 +125,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _measure_reserve(self) -> tuple[int, int]:
         cache, dev, window = self.cache_config, self.device, self.max_model_len
-        tmp = KVCache(self.config, 1, cache.block_size, self.dtype, dev)
+        tmp = KVCache(self.config, 1, cache.block_size, self.dtype, dev, self.tp_size, self.tp_rank)
         bs = cache.block_size
         total = min(cache.max_num_batched_tokens, self.max_num_seqs * (window - 1))
         per = max(1, min(window - 1, total))
@@ -145,18 +159,21 @@ class ModelRunner:
         return {"executor": self.executor, "graphs_captured": g.captured if g else 0,
                 "graph_replays": g.replays if g else 0, "eager_forwards": self.eager_forwards,
                 "graph_capture_failure": self.graph_failure, "graph_capture_s": round(self.graph_capture_s, 3),
-                "kv_blocks": self.num_blocks}
+                "kv_blocks": self.num_blocks, "tensor_parallel_size": self.tp_size}
 
     def _select_executor(self, choice: str):
         """specray's own executor for the families it covers, else transformers' modules
         (``choice`` was validated with its ModelConfig)."""
         why = "executor='transformers'" if choice == "transformers" else llama_model.supports(self.model)
+        if why and self.group is not None:
+            raise ValueError(f"{self.group.field}={self.tp_size} needs the native executor, which cannot run "
+                             f"{self.path}: {why}")
         if why and choice == "native":
             raise ValueError(f"executor='native' cannot run {self.path}: {why}")
         if why:
             log.info("specray executor: %s runs on the transformers path (%s)", self.path, why)
             return None
-        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len, release=True)
+        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len, release=True, group=self.group)
         log.info("specray executor: %s runs on the native %s executor", self.path, self.config.model_type)
         return native
 
@@ -235,8 +252,8 @@ class ModelWorker:
     kind = "model"
 
     def __init__(self, path: str, model: ModelConfig, cache: CacheConfig, window: int | None,
-                 allocate: bool = True) -> None:
-        self.runner = ModelRunner(path, model, cache, window, allocate)
+                 allocate: bool = True, group: RankGroup | None = None) -> None:
+        self.runner = ModelRunner(path, model, cache, window, allocate, group)
 
     def graph_stats(self) -> dict:
         return {"kind": self.kind, **self.runner.graph_stats()}

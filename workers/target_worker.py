@@ -15,8 +15,10 @@ from specray.workers.errors import PlanError
 from specray.workers.grammar_step import GrammarSide
 from specray.workers.in_target_head import InTargetHead, propose_in_target
 from specray.workers.model_runner import ModelWorker
+from specray.workers.rank_group import OP_VERIFY, StepShare
 from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, token_logprobs
+from specray.workers.tensor_parallel import RankGroup
 
 
 class TargetWorker(ModelWorker):
@@ -25,11 +27,15 @@ class TargetWorker(ModelWorker):
     # ``specray.workers.in_target_head``): it proposes inside ``verify``.
     head: InTargetHead | None = None
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True,
+                 group: RankGroup | None = None) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
-        (``ModelRunner``)."""
-        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate)
+        (``ModelRunner``). ``group``: this worker is one rank of a tensor-parallel target;
+        rank 0 is called as any worker and shares each step with the others, which run
+        ``rank_group.follow`` (every rank of the group builds at once)."""
+        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate, group=group)
         self.grammar = GrammarSide(model.target, self.runner.vocab_size)
+        self.share = StepShare(group) if group is not None and group.size > 1 and group.rank == 0 else None
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
@@ -40,16 +46,15 @@ class TargetWorker(ModelWorker):
         r.check_plan(plan)
         plan, draft_probs = propose_in_target(self.head, plan, draft_probs)
         n, width = plan.num_seqs, plan.width
-        # What each sequence verifies: its proposal_len, 0 where the plan carries no proposals.
-        proposal_lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
+        proposal_lens = verified_lens(plan)
         self._check_proposals(plan, proposal_lens, draft_probs)
-        r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
+        if self.share is not None:
+            self.share.send(OP_VERIFY, plan)     # the group's other ranks run this forward with this one
         masks = self.grammar.start_verify_masks(plan, proposal_lens)       # on the host, beside the forward
-        if n == 0:
+        scored = self.score(plan)
+        if scored is None:
             return self._told(plan, StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0))
-        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
-        logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])  # [sum + n, V]
+        batch, logits = scored
         # Structured output: forbidden tokens masked before anything reads the logits.
         mask_s = self.grammar.finish_verify_masks(masks, logits)
         vocab = logits.shape[-1]
@@ -96,6 +101,21 @@ class TargetWorker(ModelWorker):
         if self.head is not None:
             self.head.verified(plan, result)
         return result
+
+    def score(self, plan: StepPlan) -> tuple["PackedVerify", torch.Tensor] | None:
+        """The model's part of ``verify`` (every rank of a tensor-parallel group runs it):
+        the KV pool resized to the plan, then one packed forward; its layout and the logits
+        [sum(proposal_lens) + n, V] of the scored rows (None for an empty plan)."""
+        r = self.runner
+        proposal_lens = verified_lens(plan)
+        r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
+        if plan.num_seqs == 0:
+            return None
+        batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens,
+                                    plan.width)
+        logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
+                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])
+        return batch, logits
 
     def _logprobs(self, plan: StepPlan, asked: list[int], sampled: list[int], scores, argmax, out):
         """Raw logprobs for the sequences ``asked`` (batch indices) at each of their
@@ -173,6 +193,11 @@ class TargetWorker(ModelWorker):
             return None, has
         allp = torch.cat([s.to(dev) for s in present]) if len(present) > 1 else present[0].to(dev)
         return allp[torch.tensor([max(r, 0) for r in rows], device=dev)], has
+
+
+def verified_lens(plan: StepPlan) -> list[int]:
+    """What each sequence verifies: its proposal_len, 0 where the plan carries no proposals."""
+    return plan.proposal_lens if plan.proposal_token_ids else [0] * plan.num_seqs
 
 
 def _fill_logprobs(result: StepResult, plan: StepPlan, asked: list[int], emitted: list[list[int]],

@@ -67,6 +67,12 @@ def failures(summary: dict) -> list[str]:
                 out.append(f"{label}: CUDA graph capture failed on {g['graph_capture_failures']} worker(s)")
             elif not g.get("graph_replays"):
                 out.append(f"{label}: no step replayed a CUDA graph")
+    for item in summary.get("parts", {}).get("tensor_parallel", {}).get("items", []):
+        label = f"tensor_parallel {item['proposer']}"
+        if item.get("error"):
+            out.append(f"{label}: {item['error']}")
+        elif not item.get("exact"):
+            out.append(f"{label}: float32 output at tensor_parallel_size=2 differs from transformers' generate")
     forward = summary.get("parts", {}).get("forward", {})
     out += [f"forward: {f}" for f in forward.get("failures", [])]
     for layout, bench in summary.get("parts", {}).get("bench", {}).get("layouts", {}).items():

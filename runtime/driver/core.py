@@ -166,7 +166,9 @@ class DriverCore(Admission, Streams, StepLoop):
                                         for c in self.pool.verifiers + self.pool.draft_calls),
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
-                 layout=self.config.cluster.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),
+                 layout=self.config.cluster.layout, tensor_parallel_size=self.config.cluster.tensor_parallel_size,
+                 draft_tensor_parallel_size=self.config.cluster.draft_tensor_parallel_size,
+                 num_group_steps=getattr(self.engine, "num_group_steps", 0),
                  # steps that raised (requeued, then narrowed down to the request that
                  # failed them) and the requests that failed, for any reason
                  num_failed_steps=self._num_failed_steps, num_requests_failed=self._num_failed_requests,

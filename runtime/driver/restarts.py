@@ -106,7 +106,9 @@ def remove_stale_groups() -> int:
     name = worker_group_name()
     if not name:
         return 0
-    stale = [gid for gid, g in placement_group_table().items() if g["name"] == name and g["state"] != "REMOVED"]
+    # The workers' group, and the tensor-parallel ranks' groups named after it (``name-tp<i>``).
+    stale = [gid for gid, g in placement_group_table().items()
+             if (g["name"] == name or g["name"].startswith(name + "-tp")) and g["state"] != "REMOVED"]
     for gid in stale:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(gid))))
     return len(stale)

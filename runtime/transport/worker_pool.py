@@ -137,23 +137,38 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
 
     # In this process a model's load cannot be stopped halfway: look between workers.
     cluster = cfg.cluster
-    targets, drafts = [], []
-    for _ in range(cluster.num_target_workers):
-        _check(cancel)
-        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
-    if cfg.speculation.draft_model:
-        for _ in range(cluster.num_draft_workers):
+    targets, drafts, groups = [], [], []
+    try:
+        for _ in range(cluster.num_target_workers):
             _check(cancel)
-            drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
-    workers = targets + drafts
-    # Every model is in before any cache is sized: they share this process's part of the GPU.
-    share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
-    blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
-        plan_blocks([w.runner.need for w in workers], share)
-    for w, b in zip(workers, blocks):
-        _check(cancel)
-        w.runner.allocate(b)
-    verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
+            if cluster.tensor_parallel_size > 1:
+                groups.append(_target_group(cfg, cfg.cache, allocate=False))
+                targets.append(groups[-1].worker)
+            else:
+                targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
+        if cfg.speculation.draft_model:
+            for _ in range(cluster.num_draft_workers):
+                _check(cancel)
+                drafts.append(DraftWorker(worker_model(cfg, "draft"), cfg.cache, allocate=False))
+        workers = targets + drafts
+        # Every model is in before any cache is sized: they share this process's part of the GPU.
+        share = cfg.cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * _gpu_part(cluster.target_resources)
+        blocks = [cfg.cache.num_kv_blocks] * len(workers) if cfg.cache.num_kv_blocks else \
+            plan_blocks([w.runner.need for w in workers], share)
+        for w, b in zip(workers, blocks):
+            _check(cancel)
+            w.runner.allocate(b)
+    except BaseException:
+        for g in groups:            # else their rank actors and placement outlive the failed start
+            g.stop()
+        raise
+    if groups:
+        for g in groups:
+            g.follow()
+        # Groups past the first verify on threads of their own, beside the first.
+        verifiers = [_group_call(g, cluster, threaded=i > 0) for i, g in enumerate(groups)]
+    else:
+        verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
     calls = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
     d_blocks = [d.num_blocks() for d in drafts] if drafts else None
     return WorkerPool(verifiers, build_proposer(cfg.speculation, calls), [t.num_blocks() for t in targets],
@@ -196,8 +211,11 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
 
     cluster, device = cfg.cluster, cfg.model.device
     gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    # Tensor parallel: every group's rank 0 runs here, its other ranks on actors of their own
+    # (``rank_groups``); data-parallel target actors are whole models.
+    tp = cluster.tensor_parallel_size > 1
     kinds = [("target", RemoteTargetActor, actor_options(cluster.target_resources, gpu))
-             for _ in range(cluster.num_target_workers - 1)]
+             for _ in range(0 if tp else cluster.num_target_workers - 1)]
     if cfg.speculation.draft_model:
         kinds += [("draft", RemoteDraftActor, actor_options(cluster.draft_resources, gpu))
                   for _ in range(cluster.num_draft_workers)]
@@ -216,7 +234,7 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
             remove_placement_group(pg)
             raise RuntimeError(f"the cluster cannot place {len(bundles)} workers {bundles} with strategy "
                                f"{cluster.placement_strategy} within {cluster.placement_timeout_s:.0f}s")
-    actors = []
+    actors, groups = [], []
     try:
         _check(cancel)
         for i, (kind, cls, opts) in enumerate(kinds):
@@ -224,29 +242,47 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
             else:
                 strategy = "SPREAD"
+            # A tensor-parallel draft's actor is its rank 0: it starts the other ranks, asking for what it asks.
+            dtp = cluster.draft_tensor_parallel_size if kind == "draft" else 1
+            tp_args = (dtp, opts, cluster.tensor_parallel_timeout_s, cluster.placement_timeout_s) if dtp > 1 else ()
             actors.append(cls.options(**opts, scheduling_strategy=strategy, max_restarts=cluster.max_worker_restarts,
                                       max_task_retries=0).remote(worker_model(cfg, kind),
-                                                                 worker_cache(cfg.cache, opts["num_gpus"])))
+                                                                 worker_cache(cfg.cache, opts["num_gpus"]), *tp_args))
         targets = [a for (kind, *_), a in zip(kinds, actors) if kind == "target"]
         drafts = [a for (kind, *_), a in zip(kinds, actors) if kind == "draft"]
         t_refs = [a.num_blocks.remote() for a in targets]
         d_refs = [a.num_blocks.remote() for a in drafts]
-        local = _host_target(cfg, gpu, cancel)
+        if tp:
+            part = _gpu_part(cluster.target_resources) if gpu else 0
+            for _ in range(cluster.num_target_workers):
+                _check(cancel)
+                groups.append(_target_group(cfg, worker_cache(cfg.cache, part)))
+            local = groups[0].worker
+        else:
+            local = _host_target(cfg, gpu, cancel)
         _wait_all(t_refs + d_refs, cancel)      # the models load: what a refusal stops
-        t_blocks = [local.num_blocks()] + ray.get(t_refs)
+        t_blocks = ([g.worker.num_blocks() for g in groups] if tp else [local.num_blocks()]) + ray.get(t_refs)
         d_blocks = ray.get(d_refs) if drafts else None
     except BaseException:
+        for g in groups:
+            g.stop()
         for a in actors:
             ray.kill(a)
         if pg is not None:
             remove_placement_group(pg)
         raise
     restarts = cluster.max_worker_restarts
-    verifiers = [LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs)))]
+    if tp:
+        for g in groups:
+            g.follow()
+        # Groups past the first verify on threads of their own, beside the first.
+        verifiers = [_group_call(g, cluster, threaded=i > 0) for i, g in enumerate(groups)]
+    else:
+        verifiers = [LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs)))]
     verifiers += [TargetHandle(a, restarts, link=cluster.worker_link) for a in targets]
     calls = [DraftHandle(a, restarts, link=cluster.worker_link) for a in drafts]
     pool = WorkerPool(verifiers, build_proposer(cfg.speculation, calls), t_blocks, d_blocks, actors, pg,
-                      draft_calls=calls, local_workers=[local])
+                      draft_calls=calls, local_workers=[g.worker for g in groups] or [local])
     if cluster.worker_link:
         # Links open now, not in a request's first step.
         try:
@@ -267,6 +303,26 @@ def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
     _check(cancel)
     part = _gpu_part(cfg.cluster.target_resources) if gpu else 0
     return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part))
+
+
+def _target_group(cfg: RuntimeConfig, cache: CacheConfig, allocate: bool = True):
+    """A tensor-parallel target: rank 0 here, the other ranks actors on this node."""
+    import ray
+
+    from specray.runtime.transport.actor_handle import actor_options
+    from specray.runtime.transport.rank_groups import RankSet
+
+    cluster, device = cfg.cluster, cfg.model.device
+    gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return RankSet("target", worker_model(cfg, "target"), cache, cluster.tensor_parallel_size,
+                   actor_options(cluster.target_resources, gpu), cluster.tensor_parallel_timeout_s,
+                   cluster.placement_timeout_s, allocate=allocate)
+
+
+def _group_call(group, cluster, threaded: bool = False):
+    from specray.runtime.transport.rank_groups import GroupCall
+
+    return GroupCall(group, cluster.max_worker_restarts, threaded)
 
 
 def _bundle(opts: dict) -> dict:

@@ -76,3 +76,12 @@ def test_what_fails_the_check():
 def test_graph_counters_are_not_required_off_cuda():
     s = summary(device="cpu", exactness={"status": "ok", "items": [item(graphs={"graph_replays": 0})]})
     assert failures(s) == []
+
+
+def test_the_tensor_parallel_section_fails_on_a_difference_and_passes_when_skipped():
+    assert failures(summary(tensor_parallel={"status": "ok", "items": [],
+                                             "skipped": "tensor parallel needs two GPUs, this machine has 1"})) == []
+    s = summary(tensor_parallel={"status": "ok", "items": [{"proposer": "draft", "exact": False},
+                                                          {"proposer": "ngram", "error": "RuntimeError: nccl"}]})
+    assert failures(s) == ["tensor_parallel draft: float32 output at tensor_parallel_size=2 differs from "
+                           "transformers' generate", "tensor_parallel ngram: RuntimeError: nccl"]
