@@ -13,9 +13,14 @@ reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
 ``forward(input_ids [T], positions [T], meta, logits_index [m], tail=None)`` returns
 logits [m, V] in the model's dtype, equal in math to transformers' forward; it is
 ``logits(hidden_states(...))``, split so that a CUDA graph can stop before the head.
+``hidden_states(..., aux=AuxCapture(layers))`` also keeps, for every fed row, the residual
+stream entering each of ``layers`` (what an EAGLE-3 head reads); without it the loop
+does nothing more than before.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +64,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: float32 statistics, weight applied in the input dtype
     (``weight`` broadcasts over x's last dimension: [D], or [heads, D] for per-head norms)."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+@dataclass
+class AuxCapture:
+    """The residual stream entering some layers, for every fed row: ``layers`` (entering-
+    layer indices, in the order their states are concatenated; repeats allowed) is what
+    the caller asks, ``states`` what the forward filled ({layer: [T, D]})."""
+
+    layers: tuple[int, ...]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def concat(self) -> torch.Tensor:
+        """[T, len(layers) * D], in ``layers`` order."""
+        return torch.cat([self.states[i] for i in self.layers], dim=-1)
 
 
 class _Layer:
@@ -127,21 +146,26 @@ class NativeCausalLM:
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor, tail: QueryTail | None = None,
+                aux: AuxCapture | None = None) -> torch.Tensor:
         """``tail``: the rows ``logits_index`` draws from, when they are few (a prefill
         wants one row per sequence): the last layer writes every row's K/V, then attends,
-        projects and runs its MLP for those rows alone; no other row's output is read."""
-        return self.logits(self.hidden_states(input_ids, positions, meta, logits_index, tail))
+        projects and runs its MLP for those rows alone; no other row's output is read.
+        ``aux``: as for ``hidden_states``."""
+        return self.logits(self.hidden_states(input_ids, positions, meta, logits_index, tail, aux))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [m, D] (normed) -> logits [m, V]."""
         return _mm(hidden, self.lm_head)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+                      logits_index: torch.Tensor, tail: QueryTail | None = None,
+                      aux: AuxCapture | None = None) -> torch.Tensor:
         """The normed final hidden states [m, D] of ``logits_index``: what ``logits`` projects.
         A CUDA graph captures this much and leaves the vocabulary projection out, so its
-        output is [rows, D], not [rows, V] (``step_graphs``)."""
+        output is [rows, D], not [rows, V] (``step_graphs``). ``aux``: filled with the
+        residual stream entering its layers, every fed row (taken before ``tail`` cuts the
+        last layer's rows)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions)
         t = h.shape[0]
@@ -152,6 +176,8 @@ class NativeCausalLM:
                 residual = h
             else:
                 residual = residual + h
+            if aux is not None and L.idx in aux.layers:
+                aux.states[L.idx] = residual                                # [T, D], entering layer L
             x = rms_norm(residual, L.ln1, self.eps)
             qkv = _mm(x, L.qkv_w, L.qkv_b)
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from specray.scheduler.config import CacheConfig
-from specray.scheduler.messages import StepPlan, StepResult
+from specray.scheduler.messages import Proposals, StepPlan, StepResult
 from specray.workers.config import ModelConfig
+from specray.workers.eagle3_drafter import Eagle3Drafter
 from specray.workers.errors import PlanError
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
@@ -20,10 +21,25 @@ from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform
 class TargetWorker(ModelWorker):
     kind = "target"
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True, head: str | None = None) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
-        (``ModelRunner``)."""
+        (``ModelRunner``). ``head``: an EAGLE-3 head's checkpoint; it proposes in this
+        worker's process (``propose``) from the hidden states each verify captures."""
         super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate)
+        self.head = Eagle3Drafter(head, self.runner) if head else None
+
+    def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
+        """The head's proposals for this worker's plan of a step (``plan.proposal_lens``
+        asked), before that plan is verified: the plan's slots are reserved here, so the
+        drafts' rows have their place in the cache (``Eagle3Drafter.propose``). ``verify``
+        applies the plan again, which changes nothing: its frees only touch sequences it
+        feeds from scratch, whose slots hold nothing yet."""
+        if self.head is None:
+            raise ValueError("propose: this target worker has no EAGLE-3 head")
+        r = self.runner
+        r.check_plan(plan)
+        r.kv.apply(plan, plan.proposal_lens)
+        return self.head.propose(plan, r.kv.tables(plan.seq_ids))
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
@@ -38,10 +54,13 @@ class TargetWorker(ModelWorker):
         self._check_proposals(plan, proposal_lens, draft_probs)
         r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
         if n == 0:
+            if self.head is not None:
+                self.head.forget(plan.free_seq_ids)
             return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
+        aux = self.head.capture() if self.head is not None else None
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])  # [sum + n, V]
+                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens], aux=aux)  # [sum + n, V]
         vocab = logits.shape[-1]
         w1 = width + 1
         # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
@@ -70,6 +89,8 @@ class TargetWorker(ModelWorker):
         emitted = greedy_accept(grid, plan.proposal_token_ids, proposal_lens, width)
         for j, i in enumerate(sampled):
             emitted[i] = out[j * w1:j * w1 + counts[j]]
+        if aux is not None:
+            self.head.observe(plan, proposal_lens, emitted, aux.concat(), r.kv.tables(plan.seq_ids))
         result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=list(proposal_lens),
                             num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
         if asked:
