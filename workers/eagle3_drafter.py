@@ -83,20 +83,30 @@ class Eagle3Drafter:
             self.head.allocate(slots)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, tables: list[list[int]]) -> tuple[Proposals, torch.Tensor | None]:
-        """Proposals ``[n, width]`` for the target plan ``plan`` (its ``proposal_lens``
-        asked; 0 where the head has not observed the sequence at its length) and, when a
-        sequence samples, their probabilities ``[n, width, V_target]``. ``tables``: the
-        target's block tables of ``plan.seq_ids``, holding the plan's slots."""
+    def propose(self, plan: StepPlan, kv) -> tuple[Proposals, torch.Tensor | None]:
+        """Proposals ``[n, width]`` for ``plan``'s sequences (its ``proposal_lens`` asked;
+        0 where the head has not observed the sequence at its length, or the target's pool
+        cannot hold the drafts' rows yet) and, when a sequence samples, their
+        probabilities ``[n, width, V_target]``. ``kv``: the target's ``KVCache``; the plan's
+        frees are made in its pool first (the verify's plan makes them again, which
+        changes nothing), then each drafting sequence's block table grows to hold the
+        rows its drafts write, within what the driver reserved for the step."""
         t0 = time.perf_counter()
         n, width = plan.num_seqs, plan.width
         dev = self.runner.device
         step_len = [c + f for c, f in zip(plan.num_computed, plan.num_new)]
         self.forget(plan.free_seq_ids)
-        # In step with the head: the target has computed what the head observed, and the
-        # plan feeds the token emitted last (a recompute or a retried step proposes nothing).
-        lens = [x if x and (o := self._observed.get(sid)) is not None and o.seq_len == c + 1 == length else 0
-                for sid, x, c, length in zip(plan.seq_ids, plan.proposal_lens, plan.num_computed, step_len)]
+        bm = kv.blocks
+        for sid in plan.free_seq_ids:
+            bm.free(sid)
+        lens = [x if x and (o := self._observed.get(sid)) is not None and o.seq_len == length else 0
+                for sid, x, length in zip(plan.seq_ids, plan.proposal_lens, step_len)]
+        for i, sid in enumerate(plan.seq_ids):
+            # Draft p >= 2 is computed from a row at position L + p - 3: L + lens - 2 slots.
+            need = step_len[i] + lens[i] - 2
+            if lens[i] > 1 and bm.blocks_needed(need) > len(bm.block_table(sid)) and not bm.allocate_slots(sid, need):
+                lens[i] = 0
+        tables = kv.tables(plan.seq_ids)
         proposals = torch.full((n, width), -1, dtype=torch.long, device=dev)              # [n, width]
         rows = [i for i in range(n) if lens[i]]
         sampled = [plan.temperature[i] > 0 for i in range(n)]

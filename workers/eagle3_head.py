@@ -48,7 +48,8 @@ class Eagle3Head:
         self.heads, self.kv_heads, self.head_dim = ckpt.num_heads, ckpt.num_kv_heads, ckpt.head_dim
         self.hidden_size = ckpt.hidden_size
         self.norm_before_residual = ckpt.norm_before_residual
-        self.embed = w.get("embed_tokens.weight", embed.to(device=device, dtype=dtype))      # [V, H]
+        self._own_embed = "embed_tokens.weight" in w
+        self.embed = w["embed_tokens.weight"] if self._own_embed else embed.to(device=device, dtype=dtype)  # [V, H]
         self.fc = t("fc.weight")                                                             # [n * H_t, H]
         m = "midlayer."
         self.ln_embed = w[m + "input_layernorm.weight"]
@@ -77,6 +78,13 @@ class Eagle3Head:
     @property
     def num_slots(self) -> int:
         return self.kv[0][0].shape[0] if self.kv else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the head's own weights (the target's embedding, shared, not counted)."""
+        own = [self.fc, self.ln_embed, self.ln_hidden, self.qkv, self.o, self.ln_post, self.gate_up, self.down,
+               self.norm, self.lm_head] + ([self.embed] if self._own_embed else [])
+        return sum(t.numel() * t.element_size() for t in own)
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes one block of the head's cache takes (K and V)."""

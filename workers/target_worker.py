@@ -3,6 +3,7 @@ forward pass (no batch expansion) and runs the rejection sampler."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import torch
 
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import Proposals, StepPlan, StepResult
+from specray.workers import memory_budget
 from specray.workers.config import ModelConfig
 from specray.workers.eagle3_drafter import Eagle3Drafter
 from specray.workers.errors import PlanError
@@ -25,21 +27,25 @@ class TargetWorker(ModelWorker):
         """``allocate=False``: the KV cache is sized later, with the process's other workers
         (``ModelRunner``). ``head``: an EAGLE-3 head's checkpoint; it proposes in this
         worker's process (``propose``) from the hidden states each verify captures."""
-        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate)
+        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate and not head)
         self.head = Eagle3Drafter(head, self.runner) if head else None
+        if self.head is not None:
+            # The head's cache has a slot for every one of the target's: sized together.
+            r, h = self.runner, self.head.head
+            r.need = dataclasses.replace(r.need, per_block=r.need.per_block + h.block_bytes(cache.block_size),
+                                         held=r.need.held + h.nbytes)
+            if allocate:
+                r.allocate(cache.num_kv_blocks or memory_budget.plan_blocks([r.need], cache.gpu_memory_utilization)[0])
 
     def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
-        """The head's proposals for this worker's plan of a step (``plan.proposal_lens``
-        asked), before that plan is verified: the plan's slots are reserved here, so the
-        drafts' rows have their place in the cache (``Eagle3Drafter.propose``). ``verify``
-        applies the plan again, which changes nothing: its frees only touch sequences it
-        feeds from scratch, whose slots hold nothing yet."""
+        """The head's proposals for a step's sequences on this worker, before the step is
+        verified. ``plan``: what a proposer is sent (a draft plan: sequence ids, their
+        lengths, ``proposal_lens`` asked, sampling knobs, frees; a target plan serves as
+        well). See ``Eagle3Drafter.propose``."""
         if self.head is None:
             raise ValueError("propose: this target worker has no EAGLE-3 head")
-        r = self.runner
-        r.check_plan(plan)
-        r.kv.apply(plan, plan.proposal_lens)
-        return self.head.propose(plan, r.kv.tables(plan.seq_ids))
+        self.runner.check_plan(plan)
+        return self.head.propose(plan, self.runner.kv)
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:

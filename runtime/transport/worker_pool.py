@@ -135,7 +135,7 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     targets, drafts = [], []
     for _ in range(cluster.num_target_workers):
         _check(cancel)
-        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
+        targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False, head=_head(cfg)))
     if cfg.speculation.draft_model:
         for _ in range(cluster.num_draft_workers):
             _check(cancel)
@@ -152,8 +152,19 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
     d_blocks = [d.num_blocks() for d in drafts] if drafts else None
     pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks, local_workers=workers)
-    pool.proposers += _host_proposers(cfg, pool)
+    pool.proposers += _host_proposers(cfg, pool) + _head_proposers(cfg, targets)
     return pool
+
+
+def _head(cfg: RuntimeConfig) -> str | None:
+    """The EAGLE-3 head a target worker runs (``proposer="eagle3"``), else None."""
+    return cfg.model.draft if cfg.speculation.head else None
+
+
+def _head_proposers(cfg: RuntimeConfig, targets: list) -> list[WorkerCall]:
+    """An EAGLE-3 head proposes in its target worker's process, from the hidden states its
+    verify captured: a call into that worker (the driver's own, in either layout)."""
+    return [LocalCall(t.propose) for t in targets] if cfg.speculation.head else []
 
 
 def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
@@ -243,7 +254,7 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     remote_proposers = [DraftHandle(a, restarts, link=cluster.worker_link) for a in drafts]
     pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
                       local_workers=[local])
-    pool.proposers += _host_proposers(cfg, pool)
+    pool.proposers += _host_proposers(cfg, pool) + _head_proposers(cfg, [local])
     if cluster.worker_link:
         # Links open now, not in a request's first step.
         try:
@@ -263,7 +274,7 @@ def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
 
     _check(cancel)
     part = _gpu_part(cfg.cluster.target_resources) if gpu else 0
-    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part))
+    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part), head=_head(cfg))
 
 
 def _bundle(opts: dict) -> dict:

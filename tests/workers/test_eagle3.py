@@ -14,8 +14,7 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
-from eagle3_reference import RefHead, head_config, random_weights, ref_drafts, save_head, target_aux
+from eagle3_reference import RefHead, head_config, random_weights, ref_drafts, save_head, target_aux, train_head
 from specray_testing import make_plan, worker_configs
 
 from specray.scheduler.merge import merge_proposals
@@ -64,23 +63,9 @@ def head(tmp_path_factory, target):
     drafting them again, it is right often. Returns its directory and the corpus."""
     torch.manual_seed(0)
     corpus = greedy(target, torch.randint(0, VOCAB, (4, 4)), 32)                     # [4, 36]
-    used = torch.bincount(corpus.flatten(), minlength=VOCAB).argsort(descending=True)[:DRAFT_VOCAB].sort().values
-    t2d = torch.full((VOCAB,), -100)
-    t2d[used] = torch.arange(DRAFT_VOCAB)
     cfg = head_config(layer_ids=LAYER_IDS)
-    ref = RefHead(cfg, random_weights(cfg, HIDDEN, seed=1), target.model.embed_tokens.weight.detach())
-    with torch.no_grad():
-        aux = target_aux(target, corpus[:, :-1], AUX_INPUTS)                         # [4, 35, 3H]
-    tokens, labels = corpus[:, 1:], t2d[corpus[:, 2:]]                               # row q predicts token q + 2
-    positions = torch.arange(tokens.shape[1])
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for _ in range(60):
-        logits = ref.logits(ref(tokens, ref.fuse(aux), positions))[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, DRAFT_VOCAB), labels.reshape(-1), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    path = save_head(tmp_path_factory.mktemp("eagle3") / "head", cfg, ref.weights(), used - torch.arange(DRAFT_VOCAB))
+    weights, d2t = train_head(target, corpus, cfg, AUX_INPUTS)
+    path = save_head(tmp_path_factory.mktemp("eagle3") / "head", cfg, weights, d2t)
     return path, corpus
 
 

@@ -140,3 +140,29 @@ def ref_drafts(ref: RefHead, aux: torch.Tensor, seq: list[int], n: int, target_i
         hidden = torch.cat([hidden, pre[:, -1:]], dim=1)
         positions = torch.cat([positions, positions[-1:] + 1])
     return out
+
+
+def train_head(target, corpus: torch.Tensor, cfg: dict, inputs: tuple[int, ...], steps: int = 60,
+               seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A head fitted (EAGLE-3's first unrolled step: row q predicts token q + 2 from the
+    target's hidden states) to ``corpus`` [B, T] of the transformers ``target``; its draft
+    vocabulary the ``draft_vocab_size`` most frequent tokens there (as EAGLE's scandata
+    picks it). Returns (weights, d2t)."""
+    vocab, draft_vocab = cfg["vocab_size"], cfg["draft_vocab_size"]
+    used = torch.bincount(corpus.flatten(), minlength=vocab).argsort(descending=True)[:draft_vocab].sort().values
+    t2d = torch.full((vocab,), -100)
+    t2d[used] = torch.arange(draft_vocab)
+    ref = RefHead(cfg, random_weights(cfg, target.config.hidden_size, seed=seed, n_aux=len(inputs)),
+                  target.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        aux = target_aux(target, corpus[:, :-1], inputs)                      # [B, T-1, n H_t]
+    tokens, labels = corpus[:, 1:], t2d[corpus[:, 2:]]
+    positions = torch.arange(tokens.shape[1])
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = ref.logits(ref(tokens, ref.fuse(aux), positions))[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, draft_vocab), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return ref.weights(), used - torch.arange(draft_vocab)
