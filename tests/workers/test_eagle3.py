@@ -233,3 +233,61 @@ def test_target_worker_refuses_a_head_that_does_not_fit(head_path, target_path, 
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         TargetWorker(*worker_configs(target_path), head=str(bad))
+
+
+def test_sampled_output_has_the_targets_joint_distribution(target_path, head_path, head, target):
+    """Two tokens sampled through the head's own q (temperature 1, top-k 3): their joint
+    frequencies against the target's exact joint distribution (chi-square)."""
+    from scipy.stats import chisquare
+
+    n, temp, top_k = 1500, 1.0, 3
+    worker = TargetWorker(*worker_configs(target_path, num_kv_blocks=n * 4, max_num_seqs=n), head=head_path)
+    prompt = head[1][0, :6].tolist()
+    sids = list(range(n))
+    # Step 1 (prefill): the first token greedy, so the joint that follows is one distribution.
+    first = worker.verify(make_plan(sids, [0] * n, [len(prompt)] * n, prompt * n, [len(prompt)] * n, step_id=1))
+    x1 = first.token_ids[0]
+    assert set(first.token_ids) == {x1}
+    seqs = {s: prompt + [x1] for s in sids}
+    computed = dict.fromkeys(sids, len(prompt))
+    out = {s: [] for s in sids}
+    proposed = accepted = 0
+    for step in (2, 3):
+        active = [s for s in sids if len(out[s]) < 2]
+        if not active:
+            break
+        m = len(active)
+        plan = make_plan(active, [computed[s] for s in active], [len(seqs[s]) - computed[s] for s in active],
+                         [t for s in active for t in seqs[s][computed[s]:]], [len(seqs[s]) + 2 for s in active],
+                         width=2, proposal_lens=[2] * m, step_id=step, temperature=[temp] * m, top_k=[top_k] * m,
+                         seeds=[1000 + s for s in active])
+        props, probs = worker.propose(plan)
+        assert props.has_probs and probs.shape == (m, 2, VOCAB)
+        result = worker.verify(merge_proposals(plan, [props]), probs)
+        proposed += sum(result.proposed)
+        pos = 0
+        for s, k in zip(result.seq_ids, result.num_emitted):
+            tokens = result.token_ids[pos:pos + k]
+            pos += k
+            accepted += k - 1
+            computed[s] = len(seqs[s]) + k - 1
+            seqs[s] += tokens
+            out[s] += tokens
+    # The target's exact joint of (x2, x3) under temperature 1 and top-k 3, from its logits.
+    def dist(tokens):
+        logits = target(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temp
+        kth = logits.topk(top_k).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+    with torch.no_grad():
+        p2 = dist(prompt + [x1])
+        cells = {(a, b): float(p2[a] * dist(prompt + [x1, a])[b])
+                 for a in p2.nonzero().flatten().tolist() for b in range(VOCAB)}
+    cells = {c: p for c, p in cells.items() if p > 0}
+    counts = {c: 0 for c in cells}
+    for s in sids:
+        counts[tuple(out[s][:2])] += 1          # a pair outside the support would raise here
+    f_obs = [counts[c] for c in cells]
+    f_exp = [n * cells[c] for c in cells]
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+    # The head's q was verified, and often kept.
+    assert proposed >= 2 * n and accepted > 0.2 * proposed, (accepted, proposed)
