@@ -55,7 +55,9 @@ def cmd_bench(args) -> int:
     if args.random_draft and draft is None:
         raise SystemExit("--random-draft needs a draft to copy: give --draft")
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
-    s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
+    # eagle3 runs beside the others wherever a head is there: the built-in target's always.
+    head = args.head or (builtin_model("tiny-eagle3") if args.target is None else None)
+    s = BenchSettings(target=target, draft=draft, head=head, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       rotate_prompts=args.rotate_prompts,
@@ -136,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")
+    b.add_argument("--head", default=None,
+                   help="an EAGLE-3 head for the target (default: tiny-eagle3 with the built-in target): eagle3 runs "
+                        "beside the other proposers")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)
