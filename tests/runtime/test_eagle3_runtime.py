@@ -11,6 +11,7 @@ from specray_testing import hf_greedy
 
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
+from specray.runtime.driver.resume import Tracked, with_seed
 from specray.scheduler.sampling_params import SamplingParams
 
 VOCAB, HIDDEN = 96, 32
@@ -43,12 +44,15 @@ def pair(tmp_path_factory):
     return str(out / "target"), head, corpus
 
 
+def config(pair) -> RuntimeConfig:
+    target, head, _ = pair
+    return RuntimeConfig(layout="colocated", target=target, draft=head, proposer="eagle3", num_speculative_tokens=3,
+                         block_size=4, device="cpu", dtype="float32", torch_threads=1)
+
+
 @pytest.fixture(scope="module")
 def driver(pair):
-    target, head, _ = pair
-    drv = DriverCore(RuntimeConfig(layout="colocated", target=target, draft=head, proposer="eagle3",
-                                   num_speculative_tokens=3, block_size=4, device="cpu", dtype="float32",
-                                   torch_threads=1))
+    drv = DriverCore(config(pair))
     yield drv
     drv.shutdown()
 
@@ -93,3 +97,41 @@ def test_eagle3_needs_a_head_and_one_target_worker(pair):
         RuntimeConfig(target=target, draft=head, proposer="eagle3", num_target_workers=2)
     with pytest.raises(ValueError, match="draft must be None"):
         RuntimeConfig(target=target, draft=head, proposer="ngram")
+
+
+def stream(drv, prompt, params, resume=None, upto=None):
+    """One request's deltas (all, or until ``upto`` tokens, then aborted) and its seed."""
+    reply = drv.submit([prompt], [params], [resume] if resume else None)
+    assert reply.error is None, reply.error
+    (rid,) = reply.request_ids
+    deltas = []
+    while not deltas or not deltas[-1].finished:
+        d = drv.poll(rid, timeout=30)
+        if d is not None:
+            deltas.append(d)
+        if upto is not None and sum(len(x.token_ids) for x in deltas) >= upto:
+            drv.abort([rid])
+            break
+    return deltas, reply.seeds[0]
+
+
+def test_a_request_cut_mid_stream_resumes_on_a_fresh_driver_with_the_same_tokens(driver, pair):
+    """A driver's fail-over, in process: the client's state handed to a new driver, whose
+    target and head recompute the request's cache (the head from the target's states)."""
+    prompt = pair[2][1, :8].tolist()
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=4)
+    full, seed = stream(driver, prompt, params)
+    cut, _ = stream(driver, prompt, params, upto=8)
+    t = Tracked("x", "x", prompt, with_seed(params, seed))
+    for d in cut:
+        t.add_delta(d)
+    again, p, resume = t.resubmission()
+    fresh = DriverCore(config(pair))
+    try:
+        rest, _ = stream(fresh, again, p, resume)
+        drafted = fresh.metrics()["num_draft_tokens"]
+    finally:
+        fresh.shutdown()
+    tokens = lambda ds: [x for d in ds for x in d.token_ids]  # noqa: E731
+    assert tokens(cut) + tokens(rest) == tokens(full)
+    assert drafted > 0
