@@ -77,7 +77,7 @@ class DriverCore(Admission, Streams, StepLoop):
         engine = GroupEngine if wants_groups(config) else Engine
         self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
                              config.cluster.target_down_timeout_s, overlap=config.speculation.overlap,
-                             suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.draft_model)
+                             suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.suffix_beside)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []

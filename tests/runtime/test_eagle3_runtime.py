@@ -135,3 +135,22 @@ def test_a_request_cut_mid_stream_resumes_on_a_fresh_driver_with_the_same_tokens
     tokens = lambda ds: [x for d in ds for x in d.token_ids]  # noqa: E731
     assert tokens(cut) + tokens(rest) == tokens(full)
     assert drafted > 0
+
+
+def test_eagle3_and_suffix_decoding_per_sequence_keep_the_targets_output(pair):
+    """eagle3+suffix: where suffix decoding has seen the continuation (a prompt asked
+    again), its proposal is verified instead of the head's for that sequence."""
+    target, _, corpus = pair
+    drv = DriverCore(config(pair).replace(proposer="eagle3+suffix"))
+    prompts = [corpus[0, :6].tolist(), [9, 19, 29, 39]]
+    try:
+        first = run(drv, prompts, [SamplingParams(max_tokens=20, temperature=0.0)] * 2)
+        again = run(drv, prompts, [SamplingParams(max_tokens=20, temperature=0.0)] * 2)
+        m = drv.metrics()
+    finally:
+        drv.shutdown()
+    want = hf_greedy(target, prompts, 20)
+    assert [list(o.token_ids) for o in first] == want and [list(o.token_ids) for o in again] == want
+    assert m["num_accepted_tokens"] > 0 and m["suffix_cached_requests"] == 4
+    # The prompt the head never saw: asked again, suffix decoding's proposals carry it.
+    assert again[1].num_accepted_tokens > first[1].num_accepted_tokens, (first[1], again[1])
