@@ -190,6 +190,9 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=96)
+    p.add_argument("--corpus-windows", type=int, default=0,
+                   help="also train on this many windows of the corpus itself (the target's distribution over real "
+                        "text as the teacher: more data at the cost of one target forward, no generation)")
     p.add_argument("--greedy-share", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
@@ -224,6 +227,10 @@ def main(argv=None) -> dict:
                     args.greedy_share, args.temperature, 32, args.seed)
     held = generate(target, tok, windows(eval_text, args.eval_prompts), args.prompt_len, args.gen_len,
                     args.greedy_share, args.temperature, 32, args.seed + 1)
+    if args.corpus_windows:
+        n = seqs.shape[1]
+        real = [tok(t, add_special_tokens=False)["input_ids"] for t in windows(train_text, args.corpus_windows)]
+        seqs = torch.cat([seqs, torch.tensor([r[:n] for r in real if len(r) >= n])])
     vocab = cfg.vocab_size
     dv = min(args.draft_vocab_size, vocab)
     used = torch.bincount(seqs.flatten(), minlength=vocab).argsort(descending=True)[:dv].sort().values
