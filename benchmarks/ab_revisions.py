@@ -31,7 +31,7 @@ import json, sys, time
 import torch
 torch.set_num_threads(1)
 from specray import RuntimeConfig, SamplingParams
-from specray.runtime.entrypoints.cli_args import builtin_model
+from specray.runtime.model_store import builtin_model
 from specray.runtime.driver.core import DriverCore
 from specray.runtime.bench.stdlib_corpus import held_out_prompts
 

@@ -30,7 +30,7 @@ import time
 def main() -> int:
     import torch
 
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
     from specray.scheduler.block_manager import blocks_needed
     from specray.scheduler.config import CacheConfig
     from specray.scheduler.messages import StepPlan

@@ -53,7 +53,7 @@ class Progress:
 
 def prompts_and_window(n: int, tokens: int) -> tuple[list[list[int]], int]:
     from specray.runtime.bench.stdlib_corpus import held_out_prompts
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
     from specray.workers.model_loader import load_tokenizer
 
     tok = load_tokenizer(builtin_model("tiny-target"))
@@ -65,7 +65,7 @@ def reference(device: str, dtype: str, prompts: list[list[int]], tokens: int, ba
     """transformers' greedy generate, ``batch`` prompts at a time (left padded past 1)."""
     from specray.runtime.bench.hf_runner import HFRunner
     from specray.runtime.bench.settings import BenchSettings
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
 
     hf = HFRunner(BenchSettings(target=builtin_model("tiny-target"), draft=None, device=device, dtype=dtype))
     out = []
@@ -94,7 +94,7 @@ def part_exactness(args, prog: Progress) -> None:
     import ray
 
     from specray import RuntimeConfig, SamplingParams, SpecRuntime
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
 
     prompts, window = prompts_and_window(8, args.tokens)
     expected = reference(args.device, "float32", prompts, args.tokens)
@@ -133,7 +133,7 @@ def part_precision(args, prog: Progress) -> None:
 
     from specray import RuntimeConfig, SamplingParams, SpecRuntime
     from specray.runtime.bench.gpu_report import precision_report
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
 
     dtype = "bfloat16"
     prompts, window = prompts_and_window(8, args.tokens)
@@ -159,7 +159,7 @@ def part_bench(args, prog: Progress) -> None:
     from specray.runtime.bench.report import format_table
     from specray.runtime.bench.run import run_bench
     from specray.runtime.bench.settings import BenchSettings
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
 
     cuda = args.device == "cuda"
     ray.init(address="local", include_dashboard=False, log_to_driver=False)

@@ -52,7 +52,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from specray.runtime.bench.stdlib_corpus import held_out_prompts
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray.runtime.model_store import builtin_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=builtin_model("tiny-target"))

@@ -11,7 +11,9 @@ its own per-sequence lengths, land in one batch::
 
 ``draft_rows`` indexes the concatenation of the shards' probability tensors in shard
 order, and is -1 for sequences without proposals or whose shard sent no probabilities
-(deterministic proposals such as n-gram lookups, which the sampler treats as one-hot).
+for them (deterministic proposals such as n-gram lookups, which the sampler treats as
+one-hot; a row whose ``Proposals.prob_rows`` entry is -1), and ``IN_TARGET_ROW`` where
+the target worker makes the proposals itself.
 With several target workers a shard also holds other workers' sequences: they are
 skipped, but their rows still count, since the target receives whole probability tensors.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specray.scheduler.messages import Proposals, StepPlan
+from specray.scheduler.messages import IN_TARGET_ROW, Proposals, StepPlan
 
 
 def merge_proposals(plan: StepPlan, shards: list[Proposals], picks: dict[int, int] | None = None) -> StepPlan:
@@ -44,8 +46,12 @@ def merge_proposals(plan: StepPlan, shards: list[Proposals], picks: dict[int, in
             length = shard.proposal_lens[r]
             lens[i] = length
             tokens[i * width:i * width + length] = shard.token_ids[r * width:r * width + length]
-            if shard.has_probs and length:
-                rows[i] = row_offset + (shard.prob_rows[r] if shard.prob_rows else r)
+            if length and (shard.has_probs or shard.prob_rows):
+                row = shard.prob_rows[r] if shard.prob_rows else r
+                if row == IN_TARGET_ROW:
+                    rows[i] = IN_TARGET_ROW          # the target makes them, in its verify call
+                elif row >= 0 and shard.has_probs:
+                    rows[i] = row_offset + row
         if shard.has_probs:
             row_offset += shard.num_prob_rows or len(shard.seq_ids)
     return replace(plan, proposal_token_ids=tokens, proposal_lens=lens, draft_rows=rows)

@@ -28,6 +28,11 @@ from specray.scheduler.sampling_params import MAX_LOGPROBS
 
 PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# A ``StepPlan.draft_rows`` (and ``Proposals.prob_rows``) entry: this sequence's proposals
+# are made in the target worker's process, in its verify call, by the proposer that runs
+# there (an EAGLE head, ``specray.workers.in_target_head``); the plan carries their
+# ``proposal_lens`` and -1 tokens.
+IN_TARGET_ROW = -2
 
 
 class ProtocolError(ValueError):
@@ -54,7 +59,8 @@ class StepPlan:
     plan: how many to make; a target plan: how many ``proposal_token_ids`` to verify).
     For the target, ``proposal_token_ids`` is ``[n, width]`` flattened with ``-1`` padding
     past ``proposal_lens[i]``, and ``draft_rows[i]`` is the sequence's row in the draft
-    probabilities (``-1``: a deterministic proposal, e.g. n-gram). ``logprobs[i]`` (target
+    probabilities (``-1``: a deterministic proposal, e.g. n-gram; ``IN_TARGET_ROW``: made in
+    the target worker's verify call). ``logprobs[i]`` (target
     plans; empty: no sequence asked): ``-1`` for none, else how many top alternatives each
     emitted token's logprob comes with (``SamplingParams.logprobs``).
     """
@@ -104,7 +110,7 @@ class StepPlan:
         _expect(all(0.0 <= t < float("inf") for t in self.temperature), "StepPlan.temperature must be finite and >= 0")
         _expect(all(0.0 < p <= 1.0 for p in self.top_p), "StepPlan.top_p must be in (0, 1]")
         _expect(all(x >= 0 for x in self.top_k), "StepPlan.top_k must be >= 0")
-        _expect(all(r >= -1 for r in self.draft_rows), "StepPlan.draft_rows must be >= -1")
+        _expect(all(r >= IN_TARGET_ROW for r in self.draft_rows), f"StepPlan.draft_rows must be >= {IN_TARGET_ROW}")
         _expect(len(self.logprobs) in (0, n), "StepPlan.logprobs does not match seq_ids")
         _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.logprobs),
                 f"StepPlan.logprobs must be in [-1, {MAX_LOGPROBS}]")
@@ -127,7 +133,9 @@ class Proposals:
     token_ids: list[int] = _packed("i")
     # Where each sequence's draft probabilities sit in the probabilities sent with these
     # proposals (empty: row i is sequence i's) and how many rows those hold (0: n): a
-    # window taken from a pre-draft points into the pre-draft's rows.
+    # window taken from a pre-draft points into the pre-draft's rows; -1: this row's
+    # proposal has none (one-hot: another proposer's, chosen in a merge); IN_TARGET_ROW:
+    # the target makes it.
     prob_rows: list[int] = _packed("i")
     num_prob_rows: int = _scalar(int, 0)
     scores: list[float] = _packed("d")
@@ -136,7 +144,7 @@ class Proposals:
         n = len(self.seq_ids)
         _expect(self.width >= 0, f"Proposals.width must be >= 0, got {self.width}")
         _expect(len(self.prob_rows) in (0, n), "Proposals.prob_rows does not match seq_ids")
-        _expect(all(0 <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
+        _expect(all(IN_TARGET_ROW <= r < max(self.num_prob_rows, n) for r in self.prob_rows),
                 "Proposals.prob_rows outside the probabilities' rows")
         _expect(len(self.proposal_lens) == n, "Proposals.proposal_lens does not match seq_ids")
         _expect(len(self.token_ids) == n * self.width,

@@ -1,4 +1,5 @@
-"""Several proposers, one verified window: which proposal of a sequence the target checks.
+"""Several proposers, one verified window: which proposal of a sequence the target checks
+(``specray.scheduler.proposers.merged.MergedProposer`` makes the choice with these).
 
 With ``proposer="draft+suffix"`` the draft model and suffix decoding both propose for
 every drafting sequence, and the target verifies one proposal per sequence: the one

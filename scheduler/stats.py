@@ -37,9 +37,15 @@ class SpecStats:
     num_predraft_windows_dropped: int = 0
     draft_hidden_s: float = 0.0      # the pre-drafts' draft time that ran behind verification
     last_mean_proposal_len: float = 0.0
-    proposed_at: list[int] = field(default_factory=list)    # per proposal position
+    # Per draft position j = 1..num_speculative_tokens (index j - 1): proposals verified
+    # at position j, and of those the accepted ones (acceptance stops at the first miss).
+    proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.proposed_at = [0] * self.num_speculative_tokens
+        self.accepted_at = [0] * self.num_speculative_tokens
 
     def record(self, outcome: StepOutcome) -> None:
         """One step: its verdicts, what the scheduler planned, and where its time went."""
@@ -73,14 +79,11 @@ class SpecStats:
         self.draft_hidden_s += o.hidden_s
 
     def _record_positions(self, proposed: int, accepted: int) -> None:
-        if len(self.proposed_at) < proposed:
-            grow = proposed - len(self.proposed_at)
-            self.proposed_at += [0] * grow
-            self.accepted_at += [0] * grow
+        """A verdict's proposals: positions 1..proposed were proposed, 1..accepted kept."""
         for j in range(proposed):
             self.proposed_at[j] += 1
-            if j < accepted:
-                self.accepted_at[j] += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
 
     def as_dict(self) -> dict:
         d = self.num_draft_tokens
@@ -123,6 +126,8 @@ class SpecStats:
             "num_draft_worker_failures": self.num_draft_worker_failures,
             "num_target_worker_failures": self.num_target_worker_failures,
             "mean_proposal_len": self.last_mean_proposal_len,
+            # Per draft position j = 1..k (as vLLM reports it): accepted at j / proposed at j
+            # (0.0 where nothing was proposed at j).
             "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
             "mean_step_s": self.busy_s / steps if steps else 0.0,
             "mean_draft_s": self.draft_s / self.num_draft_calls if self.num_draft_calls else 0.0,

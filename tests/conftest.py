@@ -114,6 +114,10 @@ def ray_head():
     log.close()
 
 
+def pytest_configure(config):
+    # Known without the xdist plugin too (``-p no:xdist``).
+    config.addinivalue_line("markers", "xdist_group(name): run with the rest of its group on one xdist worker")
+
 
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n 2 --dist loadgroup`` (``scripts/test``): a module's tests stay on

@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specray.runtime.engine.core import Engine
+from specray.runtime.transport.draft_proposer import DraftModelProposer
 from specray.runtime.transport.worker_call import WorkerLost
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan, StepResult, decode, encode
 from specray.scheduler.proposal_choice import common_prefix
+from specray.scheduler.proposers.merged import MergedProposer
 from specray.scheduler.sampling_params import SamplingParams
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence, SequenceStatus
@@ -242,9 +244,10 @@ class Harness:
         self._frees_t = [set() for _ in self.sched.target_pools]
         self._frees_d = [set() for _ in range(self.sched.num_draft_ranks)]
         self.suffix = FakeSuffix(self) if self.suffix_wrong is not None else None
-        self.engine = Engine(self.sched, [FakeCall(self, "target", r) for r in range(len(self.targets))],
-                             [FakeCall(self, "draft", d) for d in range(len(self.drafts))],
-                             suffix=self.suffix, suffix_beside_drafts=self.suffix is not None)
+        proposer = DraftModelProposer([FakeCall(self, "draft", d) for d in range(len(self.drafts))])
+        if self.suffix is not None:
+            proposer = MergedProposer(proposer, self.suffix)
+        self.engine = Engine(self.sched, [FakeCall(self, "target", r) for r in range(len(self.targets))], proposer)
         self._in_step = False
         self._truth: dict[int, list[int]] = {}
         self._proposed: dict[int, list[int]] = {}
@@ -633,8 +636,8 @@ class FakeSuffix:
     def forget(self, seq_ids) -> None:
         pass
 
-    def observe(self, seq_id: int, emitted: tuple[int, ...]) -> None:
-        self.observed.append((seq_id, emitted))
+    def observe(self, outcome: StepOutcome) -> None:
+        self.observed += [(v.seq_id, v.tokens) for v in outcome.verdicts]
 
     def ceiling(self) -> float:
         return 1.0          # its scores never pass 0.9 a token: it always proposes

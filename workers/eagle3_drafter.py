@@ -1,20 +1,21 @@
 """An EAGLE-3 head proposing in the target worker's process, from the target's own
 hidden states.
 
-Two calls a step, both in the target worker (the head needs what its verify computes):
+It is the target worker's ``InTargetHead`` (``specray.workers.in_target_head``): both
+calls happen inside the target's verify, so a step stays one call to the target.
 
-- ``observe`` (end of the target's verify): the rows the target kept (each sequence's
+- ``verified`` (end of the target's verify): the rows the target kept (each sequence's
   fed tokens and its accepted proposals) are run through the head with the target's aux
   hidden states, the row at position q carrying token q + 1: the head's K/V at those
   positions is rebuilt from the target's features, overwriting whatever its own guesses
   wrote there. The last row's prenorm output is kept: it predicts the sequence's next
   token but one, the first draft of the next step.
-- ``propose`` (the next step): the first draft from that row; each later draft feeds the
+- ``propose`` (the next verify, before its forward): the first draft from that row; each later draft feeds the
   previous one with the head's prenorm output back, one row per pass, at the positions
-  past the target's (their K/V are scratch, rebuilt by the next ``observe``)::
+  past the target's (their K/V are scratch, rebuilt by the next ``verified``)::
 
       sequence of length L after a verify (target computed L - 1 positions):
-      observe  rows c .. L-2 : tokens x_{c+1} .. x_{L-1}, h = fc(target aux)  -> d_1 (position L)
+      verified rows c .. L-2 : tokens x_{c+1} .. x_{L-1}, h = fc(target aux)  -> d_1 (position L)
       propose  row  L-1      : token d_1, h = prenorm of row L-2             -> d_2 (position L+1)
                row  L        : token d_2, h = prenorm of row L-1             -> d_3 ...
 
@@ -38,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.scheduler.messages import Proposals, StepPlan
+from specray.scheduler.messages import StepPlan, StepResult
 from specray.workers.eagle3_head import Eagle3Head
 from specray.workers.eagle3_loader import fit_target, load_eagle3
+from specray.workers.in_target_head import InTargetHead
 from specray.workers.llama_model import AuxCapture
 from specray.workers.paged_attention import build_metadata
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
@@ -52,7 +54,7 @@ class _Observed:
     hidden: torch.Tensor     # [H] prenorm output of its last observed row
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(InTargetHead):
     def __init__(self, path: str, runner) -> None:
         """The head at ``path`` for the target ``runner`` (a ``ModelRunner``) runs; refused
         (ValueError naming the field) where it does not fit that target."""
@@ -66,10 +68,14 @@ class Eagle3Drafter:
         self.head = Eagle3Head(ckpt, runner.native.embed, runner.max_model_len, runner.dtype, runner.device)
         self.draft_vocab_size = ckpt.draft_vocab_size
         self._observed: dict[int, _Observed] = {}
+        self._aux: AuxCapture | None = None          # what this step's target forward filled
+        self.compute_s = 0.0                         # the head's own time, proposing and rebuilding
 
     def capture(self) -> AuxCapture:
-        """What the target's forward fills for ``observe``."""
-        return AuxCapture(self.aux_layers)
+        """What the target's forward fills for ``verified``: the residual stream entering
+        the head's aux layers, every row."""
+        self._aux = AuxCapture(self.aux_layers)
+        return self._aux
 
     def forget(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
@@ -83,24 +89,27 @@ class Eagle3Drafter:
             self.head.allocate(slots)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, kv) -> tuple[Proposals, torch.Tensor | None]:
-        """Proposals ``[n, width]`` for ``plan``'s sequences (its ``proposal_lens`` asked;
-        0 where the head has not observed the sequence at its length, or the target's pool
-        cannot hold the drafts' rows yet) and, when a sequence samples, their
-        probabilities ``[n, width, V_target]``. ``kv``: the target's ``KVCache``; the plan's
-        frees are made in its pool first (the verify's plan makes them again, which
-        changes nothing), then each drafting sequence's block table grows to hold the
-        rows its drafts write, within what the driver reserved for the step."""
+    def propose(self, plan: StepPlan, rows: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Proposals for the target plan's sequences ``rows`` (``InTargetHead.propose``):
+        up to ``plan.proposal_lens[i]`` each, none where the head has not observed the
+        sequence at its length or the target's pool cannot hold the drafts' rows yet; and,
+        where a row samples, their probabilities ``[len(rows), width, V_target]``. Runs
+        before the verify applies the plan to the target's cache: the plan's frees are made
+        in its pool first (the verify makes them again, which changes nothing), then each
+        drafting sequence's block table grows to hold the rows its drafts write, within
+        what the driver reserved for the step."""
         t0 = time.perf_counter()
         n, width = plan.num_seqs, plan.width
         dev = self.runner.device
+        kv = self.runner.kv
         step_len = [c + f for c, f in zip(plan.num_computed, plan.num_new)]
         self.forget(plan.free_seq_ids)
         bm = kv.blocks
         for sid in plan.free_seq_ids:
             bm.free(sid)
-        lens = [x if x and (o := self._observed.get(sid)) is not None and o.seq_len == length else 0
-                for sid, x, length in zip(plan.seq_ids, plan.proposal_lens, step_len)]
+        asked = set(rows)
+        lens = [x if i in asked and x and (o := self._observed.get(sid)) is not None and o.seq_len == length else 0
+                for i, (sid, x, length) in enumerate(zip(plan.seq_ids, plan.proposal_lens, step_len))]
         for i, sid in enumerate(plan.seq_ids):
             # Draft p >= 2 is computed from a row at position L + p - 3: L + lens - 2 slots.
             need = step_len[i] + lens[i] - 2
@@ -108,10 +117,10 @@ class Eagle3Drafter:
                 lens[i] = 0
         tables = kv.tables(plan.seq_ids)
         proposals = torch.full((n, width), -1, dtype=torch.long, device=dev)              # [n, width]
-        rows = [i for i in range(n) if lens[i]]
         sampled = [plan.temperature[i] > 0 for i in range(n)]
         any_sampled = any(sampled[i] for i in rows)
         probs = torch.zeros(n, width, self.head.target_vocab, device=dev) if any_sampled else None  # [n, width, V]
+        rows_asked, rows = rows, [i for i in range(n) if lens[i]]
         if rows:
             self._cache()
             to_dev = self.runner.to_device
@@ -141,9 +150,25 @@ class Eagle3Drafter:
                     tok = torch.where(greedy[idx], tok, drawn)
                     probs[idx, p] = q
                 proposals[idx, p] = tok
-        return Proposals(step_id=plan.step_id, width=width, has_probs=any_sampled,
-                         compute_s=time.perf_counter() - t0, seq_ids=list(plan.seq_ids), proposal_lens=lens,
-                         token_ids=proposals.flatten().tolist()), probs
+        flat = proposals.flatten().tolist()
+        tokens = [flat[i * width:i * width + lens[i]] for i in rows_asked]
+        self.compute_s += time.perf_counter() - t0
+        return tokens, (probs.index_select(0, self.runner.to_device(rows_asked)) if probs is not None else None)
+
+    def verified(self, plan: StepPlan, result: StepResult) -> None:
+        """The step's verdicts (``InTargetHead.verified``): rebuild the head over the rows
+        the target kept, from the hidden states its forward captured."""
+        aux, self._aux = self._aux, None
+        emitted, pos = [], 0
+        for k in result.num_emitted:
+            emitted.append(result.token_ids[pos:pos + k])
+            pos += k
+        t0 = time.perf_counter()
+        if aux is None or not plan.num_seqs:
+            self.forget(plan.free_seq_ids)
+        else:
+            self.observe(plan, result.proposed, emitted, aux.concat(), self.runner.kv.tables(plan.seq_ids))
+        self.compute_s += time.perf_counter() - t0
 
     @torch.inference_mode()
     def observe(self, plan: StepPlan, proposal_lens: list[int], emitted: list[list[int]], aux: torch.Tensor,

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from specray.scheduler.config import CacheConfig
-from specray.scheduler.messages import Proposals, StepPlan, StepResult
+from specray.scheduler.messages import StepPlan, StepResult
 from specray.workers import memory_budget
 from specray.workers.config import ModelConfig
 from specray.workers.eagle3_drafter import Eagle3Drafter
 from specray.workers.errors import PlanError
+from specray.workers.in_target_head import InTargetHead, propose_in_target
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
 from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform, logits_to_probs, token_logprobs
@@ -22,11 +23,14 @@ from specray.workers.sampling import STREAM_ACCEPT, STREAM_TARGET, keyed_uniform
 
 class TargetWorker(ModelWorker):
     kind = "target"
+    # A proposer in this process, reading the target's hidden states (an EAGLE head,
+    # ``specray.workers.in_target_head``): it proposes inside ``verify``.
+    head: InTargetHead | None = None
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True, head: str | None = None) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
-        (``ModelRunner``). ``head``: an EAGLE-3 head's checkpoint; it proposes in this
-        worker's process (``propose``) from the hidden states each verify captures."""
+        (``ModelRunner``). ``head``: an EAGLE-3 head's checkpoint; it proposes inside
+        ``verify`` (``in_target_head``) from the hidden states each verify captures."""
         super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate and not head)
         self.head = Eagle3Drafter(head, self.runner) if head else None
         if self.head is not None:
@@ -37,16 +41,6 @@ class TargetWorker(ModelWorker):
             if allocate:
                 r.allocate(cache.num_kv_blocks or memory_budget.plan_blocks([r.need], cache.gpu_memory_utilization)[0])
 
-    def propose(self, plan: StepPlan) -> tuple[Proposals, torch.Tensor | None]:
-        """The head's proposals for a step's sequences on this worker, before the step is
-        verified. ``plan``: what a proposer is sent (a draft plan: sequence ids, their
-        lengths, ``proposal_lens`` asked, sampling knobs, frees; a target plan serves as
-        well). See ``Eagle3Drafter.propose``."""
-        if self.head is None:
-            raise ValueError("propose: this target worker has no EAGLE-3 head")
-        self.runner.check_plan(plan)
-        return self.head.propose(plan, self.runner.kv)
-
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
         """``draft_probs``: the proposing shards' ``[rows, width, V]`` tensors in shard order
@@ -54,17 +48,16 @@ class TargetWorker(ModelWorker):
         t0 = time.perf_counter()
         r = self.runner
         r.check_plan(plan)
+        plan, draft_probs = propose_in_target(self.head, plan, draft_probs)
         n, width = plan.num_seqs, plan.width
         # What each sequence verifies: its proposal_len, 0 where the plan carries no proposals.
         proposal_lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
         self._check_proposals(plan, proposal_lens, draft_probs)
         r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
         if n == 0:
-            if self.head is not None:
-                self.head.forget(plan.free_seq_ids)
-            return StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0)
+            return self._told(plan, StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0))
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
-        aux = self.head.capture() if self.head is not None else None
+        aux = self.head.capture() if self.head is not None else None     # what the head reads
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
                            r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens], aux=aux)  # [sum + n, V]
         vocab = logits.shape[-1]
@@ -95,15 +88,20 @@ class TargetWorker(ModelWorker):
         emitted = greedy_accept(grid, plan.proposal_token_ids, proposal_lens, width)
         for j, i in enumerate(sampled):
             emitted[i] = out[j * w1:j * w1 + counts[j]]
-        if aux is not None:
-            self.head.observe(plan, proposal_lens, emitted, aux.concat(), r.kv.tables(plan.seq_ids))
         result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=list(proposal_lens),
                             num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
         if asked:
             # Computed before the sync above: this copy waits for nothing.
             floats = torch.cat([chosen.view(-1), top_lp.view(-1)]).tolist()
             _fill_logprobs(result, plan, asked, emitted, floats, flat[cells + ns + ns * w1:], w1, num_top)
+        self._told(plan, result)
         result.compute_s = time.perf_counter() - t0
+        return result
+
+    def _told(self, plan: StepPlan, result: StepResult) -> StepResult:
+        """The proposer in this process (``head``), if any, hears the step's verdicts."""
+        if self.head is not None:
+            self.head.verified(plan, result)
         return result
 
     def _logprobs(self, plan: StepPlan, asked: list[int], sampled: list[int], scores, argmax, out):

@@ -71,13 +71,12 @@ class DriverCore(Admission, Streams, StepLoop):
         self.scheduler = Scheduler(config.cache, config.speculation, self.max_model_len,
                                    [BlockManager(n, bs) for n in self.pool.target_blocks], draft_pools,
                                    draft_max_model_len=config.model.draft_max_model_len,
-                                   num_proposers=len(self.pool.proposers), policy=policy)
+                                   num_proposers=self.pool.proposer.num_ranks, policy=policy)
         # Pre-drafts run while the target verifies where draft workers are actors; in
         # process they run in turn, computing the same windows.
         engine = GroupEngine if wants_groups(config) else Engine
-        self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposers,
-                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap,
-                             suffix=self.pool.suffix, suffix_beside_drafts=config.speculation.suffix_beside)
+        self.engine = engine(self.scheduler, self.pool.verifiers, self.pool.proposer,
+                             config.cluster.target_down_timeout_s, overlap=config.speculation.overlap)
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -154,13 +153,13 @@ class DriverCore(Admission, Streams, StepLoop):
                  target_kv_blocks_total=[p.num_blocks for p in self.scheduler.target_pools],
                  draft_kv_blocks_used=[p.num_used_blocks for p in self.scheduler.draft_pools],
                  draft_kv_blocks_total=[p.num_blocks for p in self.scheduler.draft_pools],
-                 num_target_workers=len(self.pool.verifiers), num_draft_workers=len(self.pool.proposers),
+                 num_target_workers=len(self.pool.verifiers), num_draft_workers=self.pool.proposer.num_ranks,
                  draft_workers_down=sorted(self.scheduler.drafts_down),
                  target_workers_down=sorted(self.scheduler.targets_down),
                  draft_workers_dead=dead_drafts, target_workers_dead=dead_targets,
                  # workers whose steps run over a link of their own (``worker_link``) right now
                  num_linked_workers=sum(getattr(c, "linked", bool)()
-                                        for c in self.pool.verifiers + self.pool.proposers),
+                                        for c in self.pool.verifiers + self.pool.draft_calls),
                  num_speculative_tokens=self.config.speculation.num_speculative_tokens,
                  proposer=self.config.speculation.proposer, overlap=self.engine.book is not None,
                  layout=self.config.cluster.layout, num_group_steps=getattr(self.engine, "num_group_steps", 0),
@@ -168,8 +167,7 @@ class DriverCore(Admission, Streams, StepLoop):
                  # failed them) and the requests that failed, for any reason
                  num_failed_steps=self._num_failed_steps, num_requests_failed=self._num_failed_requests,
                  last_error=self._last_error)
-        if self.pool.suffix is not None:
-            m.update(self.pool.suffix.stats())
+        m.update(self.engine.proposer.stats())
         if workers:
             graphs = self.pool.graph_stats()
             live = [g for g in graphs if g is not None]

@@ -44,6 +44,9 @@ class RayMetrics:
                          for k, d in COUNTERS.items()}
         self.kv_used = Gauge("specray_kv_blocks_used", description="KV blocks in use per worker",
                              tag_keys=("driver", "worker"))
+        self.by_position = Gauge("specray_acceptance_by_position",
+                                 description="of the proposals at draft position j, the share accepted",
+                                 tag_keys=("driver", "position"))
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval_s
@@ -57,6 +60,8 @@ class RayMetrics:
             if delta > 0:
                 c.inc(float(delta), tags=self.tags)
                 self._counted[k] = m[k]
+        for j, rate in enumerate(m["acceptance_by_position"], 1):
+            self.by_position.set(float(rate), tags={**self.tags, "position": str(j)})
         for kind in ("target", "draft"):
             for i, used in enumerate(m[f"{kind}_kv_blocks_used"]):
                 self.kv_used.set(float(used), tags={**self.tags, "worker": f"{kind}{i}"})

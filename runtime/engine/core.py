@@ -1,11 +1,14 @@
 """One step of speculative decoding, independent of how workers are reached::
 
-    schedule -> propose (every draft worker at once) -> verify (every target worker at
-    once, each with the proposals merged into its plan) -> update (the verdicts)
+    schedule -> propose (every rank of the proposer at once) -> verify (every target
+    worker at once, each with the proposals merged into its plan) -> observe (the
+    proposer hears the verdicts) -> update (the scheduler applies them)
 
-Workers are ``WorkerCall``s (``specray.runtime.transport.worker_call``): in-process workers run in
-``submit``; Ray workers return references, so all draft workers (then all target workers)
-compute in parallel, and draft probabilities stay ObjectRefs the engine hands on unread.
+Every proposer is one ``Proposer`` (``specray.scheduler.proposers.proposer``): the
+engine never asks which one it has. Target workers are ``WorkerCall``s
+(``specray.runtime.transport.worker_call``): in-process workers run in ``submit``; Ray
+workers return references, so all draft ranks (then all target workers) compute in
+parallel, and draft probabilities stay ObjectRefs the engine hands on unread.
 
 A step that raises anywhere between its plan and its update keeps nothing: its calls still
 out are drained (``specray.runtime.engine.open_calls``), the scheduler requeues its sequences and
@@ -16,21 +19,18 @@ narrows down which one made it fail (``specray.scheduler.quarantine``), and ``st
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from functools import partial
 from typing import Any, Callable
 
 from specray.runtime.engine.open_calls import OpenCalls
 from specray.runtime.engine.predraft_book import PredraftBook, Taken
 from specray.runtime.transport.worker_call import WorkerCall, WorkerLost
 from specray.scheduler.merge import merge_proposals
-from specray.scheduler.messages import Proposals, StepPlan
-from specray.scheduler.proposal_choice import DraftRecord, common_prefix, pick_shards
+from specray.scheduler.messages import StepPlan
+from specray.scheduler.proposers.proposer import Proposer, Shard
 from specray.scheduler.scheduler import Scheduler
 from specray.scheduler.sequence import Sequence
 from specray.scheduler.step import ScheduledStep, StepOutcome, Verdict, verdicts
-
-# One draft worker's answer: its proposals and the handle of their probabilities.
-Shard = tuple[Proposals, Any]
 
 
 class StepFailed(Exception):
@@ -45,26 +45,20 @@ class StepFailed(Exception):
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposers: list[WorkerCall],
+    def __init__(self, scheduler: Scheduler, verifiers: list[WorkerCall], proposer: Proposer,
                  target_down_timeout_s: float = 120.0, clock: Callable[[], float] = time.perf_counter,
-                 overlap: bool = False, suffix=None, suffix_beside_drafts: bool = False) -> None:
-        """``proposers[r].wait`` yields a ``Shard``; ``verifiers[r].wait`` a
+                 overlap: bool = False) -> None:
+        """``proposer``: every proposer, one object (``specray.scheduler.proposers.proposer``),
+        with one rank per draft plan of a step; ``verifiers[r].wait`` yields a
         ``StepResult``. When every target worker has been down for
         ``target_down_timeout_s``, ``step`` raises instead of waiting forever. ``clock``
-        times the phases (a replay passes a simulated one). ``overlap``: draft workers that
-        are ``PredraftCall``s pre-draft the next window while the target verifies.
-        ``suffix``: the suffix decoding proposer, told of every finished request;
-        ``suffix_beside_drafts``: it also proposes for every drafting sequence, beside the
-        draft model, and each sequence's proposal expected to be accepted longer is
-        verified (``specray.scheduler.proposal_choice``)."""
+        times the phases (a replay passes a simulated one). ``overlap``: a proposer that
+        can (``Proposer.can_predraft``) pre-drafts the next window while the target verifies."""
         self.scheduler = scheduler
-        self.suffix = suffix
-        self.suffix_beside_drafts = suffix_beside_drafts and suffix is not None
-        self.draft_record = DraftRecord()
+        self.proposer = proposer
         self.clock = clock
         self.book = PredraftBook() if overlap else None
         self.verifiers = verifiers
-        self.proposers = proposers
         self.target_down_timeout_s = target_down_timeout_s
         self._all_down_since: float | None = None
         self.calls = OpenCalls()
@@ -87,25 +81,20 @@ class Engine:
             shards += [(t.proposals, t.probs) for t in taken.values()]
             ahead = self._predraft(step, taken, outcome)
             outcome.verdicts = self.verify(step, shards, outcome)
+            self.proposer.observe(outcome)
             self._collect(ahead, outcome)
             outcome.times.step_s = self.clock() - t0
             out = self.scheduler.update(outcome)
         except Exception as e:
             raise self._failed(step, outcome, e) from e
-        self._learn(outcome, out)
+        self._learn(out)
         return out
 
-    def _learn(self, outcome: StepOutcome, out: list[tuple[Sequence, list[int]]]) -> None:
-        """Suffix decoding learns a step's verdicts (where it did not already, choosing
-        beside the drafts) and its finished requests."""
-        if self.suffix is None:
-            return
-        if not self.suffix_beside_drafts:
-            for v in outcome.verdicts:
-                self.suffix.observe(v.seq_id, v.tokens)
+    def _learn(self, out: list[tuple[Sequence, list[int]]]) -> None:
+        """The proposer hears of the requests a step finished."""
         for seq, _ in out:
             if seq.finished:
-                self.suffix.finished(seq)
+                self.proposer.finished(seq)
 
     def _failed(self, step: ScheduledStep, outcome: StepOutcome, cause: Exception,
                 sent_losses: list[int] | None = None) -> StepFailed:
@@ -129,28 +118,19 @@ class Engine:
     def finished(self, seq: Sequence) -> None:
         """A request the driver ended between steps (a stop string): learn from it as from
         any finished one."""
-        if self.suffix is not None:
-            self.suffix.finished(seq)
+        self.proposer.finished(seq)
 
     def forget(self, seqs: list[Sequence]) -> None:
         """Requests that ended without a verdict (failed): nothing to learn from them."""
-        if self.suffix is not None:
-            self.suffix.forget([s.seq_id for s in seqs])
+        self.proposer.forget([s.seq_id for s in seqs])
 
     def propose(self, step: ScheduledStep, outcome: StepOutcome, skip: set[int] = frozenset()) -> list[Shard]:
-        """Every draft worker at once (but those in ``skip``)."""
+        """Every rank of the proposer at once (but those in ``skip``)."""
         shards: list[Shard] = []
         if not any(p is not None for r, p in enumerate(step.draft_plans) if r not in skip):
             return shards
         t_draft = self.clock()
-        plans = step.draft_plans
-        beside = None
-        if self.suffix_beside_drafts:
-            longest = max((s.proposal_len for rank in step.draft_seqs for s in rank), default=0)
-            worth = self.draft_record.expected_upto(longest)      # the draft's, by proposal_len
-            beside = self._propose_beside(step, worth)
-            plans = [self._leave_to_suffix(p, beside, worth) for p in plans]
-        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(plans)
+        pending = [(r, self._submit_draft(r, p, step)) for r, p in enumerate(step.draft_plans)
                    if p is not None and r not in skip]
         for r, h in pending:
             try:
@@ -158,8 +138,6 @@ class Engine:
             except WorkerLost:
                 # Its sequences verify without proposals this step (plain decoding).
                 outcome.lost_drafts.add(r)
-        if beside is not None:
-            shards.append((beside, None))
         if any(p.seq_ids for p, _ in shards):
             outcome.times.draft_s = self.clock() - t_draft
             # Workers compute in parallel: the slowest one's own time is the phase's compute,
@@ -167,44 +145,17 @@ class Engine:
             outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
         return shards
 
-    def _propose_beside(self, step: ScheduledStep, worth: list[float]) -> Proposals | None:
-        """Suffix decoding's proposals for the drafting sequences whose proposal could
-        beat the draft's (``worth[n]``: what n draft proposals are expected to keep): at
-        most ``proposal_len`` tokens at its calibration. Where none could, its evidence
-        fades instead, so the choice probes again later."""
-        ceiling = self.suffix.ceiling()
-        seqs = [s for rank in step.draft_seqs for s in rank if ceiling * s.proposal_len > worth[s.proposal_len]]
-        if not seqs:
-            if any(step.draft_seqs):
-                self.suffix.fade()
-            return None
-        return self.suffix.propose(step.step_id, seqs)
-
-    def _leave_to_suffix(self, plan: StepPlan | None, beside: Proposals | None,
-                         worth: list[float]) -> StepPlan | None:
-        """The draft plan with no proposals asked of the sequences whose suffix proposal
-        scores more than the draft's full proposal could: they would verify the suffix's
-        anyway. The draft still runs their catch-up pass (its cache stays current); the
-        other passes, most of its cost, skip them."""
-        if plan is None or beside is None or not plan.seq_ids:
-            return plan
-        score = dict(zip(beside.seq_ids, beside.scores))
-        lens = [0 if score.get(sid, 0.0) > worth[n] else n for sid, n in zip(plan.seq_ids, plan.proposal_lens)]
-        return plan if lens == plan.proposal_lens else replace(plan, proposal_lens=lens)
-
-    def _submit_draft(self, r: int, plan, step: ScheduledStep) -> int:
-        """Send draft worker ``r`` its plan; returns the call's ticket (``OpenCalls``)."""
-        call = self.proposers[r]
-        h = call.submit(plan, step.draft_seqs[r]) if getattr(call, "takes_sequences", False) else call.submit(plan)
-        return self.calls.sent(step.step_id, "draft", r, call.wait, h)
+    def _submit_draft(self, r: int, plan: StepPlan, step: ScheduledStep) -> int:
+        """Send rank ``r`` of the proposer its plan; returns the call's ticket (``OpenCalls``)."""
+        h = self.proposer.submit(r, plan, step.draft_seqs[r])
+        return self.calls.sent(step.step_id, "draft", r, partial(self.proposer.wait, r), h)
 
     def verify(self, step: ScheduledStep, shards: list[Shard], outcome: StepOutcome) -> list[Verdict]:
         """Every target worker at once, each plan with the shards' proposals merged in
-        (one per sequence: where two proposers proposed, the one ``pick_shards`` chose)."""
+        (one shard per sequence)."""
         t1 = self.clock()
         merge_s = 0.0
         pending = []
-        chosen: dict[int, Proposals] = {}          # seq id -> the shard verified, where there was a choice
         # Remote workers first: an in-process one computes in its submit, while they do.
         order = sorted(range(len(step.target_plans)), key=lambda r: getattr(self.verifiers[r], "inline", False))
         for r in order:
@@ -216,11 +167,7 @@ class Engine:
                 t_merge = self.clock()
                 mine = set(plan.seq_ids)
                 used = [(p, h) for p, h in shards if p.seq_ids and mine.intersection(p.seq_ids)]
-                picks = None
-                if self.suffix_beside_drafts:
-                    picks = pick_shards(plan.seq_ids, [p for p, _ in used], self.draft_record)
-                    chosen.update((sid, used[s][0]) for sid, s in picks.items())
-                plan = merge_proposals(plan, [p for p, _ in used], picks)
+                plan = merge_proposals(plan, [p for p, _ in used])
                 probs = [h for p, h in used if p.has_probs]
                 merge_s += self.clock() - t_merge
             h = self.verifiers[r].submit(plan, probs)
@@ -239,31 +186,7 @@ class Engine:
         outcome.times.merge_s = merge_s
         outcome.times.verify_s = self.clock() - t1 - merge_s
         outcome.times.verify_compute_s = compute_s
-        if self.suffix_beside_drafts:
-            self._account_choices(shards, chosen, out, outcome)
         return out
-
-    def _account_choices(self, shards: list[Shard], chosen: dict[int, Proposals], verdicts_: list[Verdict],
-                         outcome: StepOutcome) -> None:
-        """The draft's record over its proposals that were verified; suffix decoding's over
-        all its proposals, verified or not (``SuffixProposer.observe``); and, where suffix
-        decoding's was verified instead of the draft's, how many of the draft's cached
-        proposals still hold (``StepOutcome.draft_kept``)."""
-        drafts = {sid: (p, r) for p, _ in shards if not p.scores for r, sid in enumerate(p.seq_ids)}
-        for v in verdicts_:
-            self.suffix.observe(v.seq_id, v.tokens)
-            own = drafts.get(v.seq_id)
-            if own is None:
-                continue
-            shard, row = own
-            if chosen.get(v.seq_id) is shard:
-                self.draft_record.observe(v.proposed, v.accepted)
-                continue
-            n = shard.proposal_lens[row]
-            cached = shard.token_ids[row * shard.width:row * shard.width + max(n - 1, 0)]
-            # The draft is always fed at least the last emitted token (it needs its logits),
-            # even where its cache happens to hold it already.
-            outcome.draft_kept[v.seq_id] = min(common_prefix(cached, v.tokens), len(v.tokens) - 1)
 
     # -- lost workers ------------------------------------------------------------------
     @property
@@ -272,7 +195,7 @@ class Engine:
 
     def dead(self) -> tuple[list[int], list[int]]:
         """Ranks of the draft and target workers that will not come back."""
-        return ([r for r, p in enumerate(self.proposers) if p.gone()],
+        return ([r for r in range(self.proposer.num_ranks) if self.proposer.gone(r)],
                 [r for r, v in enumerate(self.verifiers) if v.gone()])
 
     def poll_workers(self) -> None:
@@ -280,7 +203,7 @@ class Engine:
         driver also calls it while idle: recovery shows in ``metrics()`` without traffic."""
         sched = self.scheduler
         for r in list(sched.drafts_down):
-            if self.proposers[r].alive():
+            if self.proposer.alive(r):
                 sched.draft_back(r)
         for r in list(sched.targets_down):
             if self.verifiers[r].alive():
@@ -323,19 +246,19 @@ class Engine:
         it adopted, or after the window it just proposed. They run while the target
         verifies."""
         ahead: list[tuple[int, Any]] = []
-        if self.book is None:
+        proposer = self.proposer
+        if self.book is None or not proposer.can_predraft:
             return ahead
         for r, plan in enumerate(step.draft_plans):
-            if plan is None or not hasattr(self.proposers[r], "submit_predraft") or r in outcome.lost_drafts:
+            if plan is None or r in outcome.lost_drafts:
                 continue
-            call = self.proposers[r]
             if r in taken:
-                h = call.submit_adopt(plan, taken[r].chosen)
+                h = proposer.submit_adopt(r, plan, taken[r].chosen)
             elif self.book.wanted(plan):
-                h = call.submit_predraft(plan.step_id)
+                h = proposer.submit_predraft(r, plan.step_id)
             else:
                 continue
-            ahead.append((r, self.calls.sent(step.step_id, "draft", r, call.wait_predraft, h)))
+            ahead.append((r, self.calls.sent(step.step_id, "draft", r, partial(proposer.wait_predraft, r), h)))
         return ahead
 
     def _collect(self, ahead: list[tuple[int, Any]], outcome: StepOutcome) -> None:

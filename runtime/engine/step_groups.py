@@ -63,7 +63,7 @@ class GroupEngine(Engine):
         super().__init__(*args, **kwargs)
         self.flight: Flight | None = None
         self.num_group_steps = 0      # steps landed while the other group was in flight
-        self.draft_losses = [0] * len(self.proposers)     # deaths seen per draft rank
+        self.draft_losses = [0] * self.proposer.num_ranks     # deaths seen per draft rank
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         t0 = self.clock()
@@ -108,7 +108,7 @@ class GroupEngine(Engine):
             out = self._verify_group(f, t0)
         except Exception as e:
             raise self._failed(f.step, f.outcome, e, f.draft_losses) from e
-        self._learn(f.outcome, out)
+        self._learn(out)
         return out
 
     def _new_draft_loss(self, rank: int, sent_losses: list[int] | None) -> bool:
@@ -146,6 +146,7 @@ class GroupEngine(Engine):
             if r < len(step.target_plans):
                 step.target_plans[r] = None
         outcome.verdicts = self.verify(step, shards, outcome)
+        self.proposer.observe(outcome)
         outcome.times.step_s = self.clock() - t0
         out = sched.update(outcome)
         for r in stale:

@@ -11,7 +11,7 @@ import time
 
 from specray.runtime.entrypoints import models_cli, serve
 from specray.runtime.entrypoints.batch import job as batch
-from specray.runtime.entrypoints.cli_args import add_model_args, builtin_model, runtime_config, sampling_default
+from specray.runtime.entrypoints.cli_args import add_model_args, installed_builtin, runtime_config, sampling_default
 
 
 def cmd_generate(args) -> int:
@@ -47,16 +47,16 @@ def cmd_bench(args) -> int:
     from specray.runtime.bench.run import run_bench
     from specray.runtime.bench.settings import BenchSettings
 
-    target = args.target or builtin_model("tiny-target")
+    target = args.target or installed_builtin("tiny-target")
     # A target given alone is benched without a draft: n-gram and plain decoding only.
-    draft = args.draft or (builtin_model("tiny-draft") if args.target is None else None)
+    draft = args.draft or (installed_builtin("tiny-draft") if args.target is None else None)
     if target is None or (args.target is None and draft is None):
         raise SystemExit("bench needs --target (and --draft, for the draft runs), or the built-in pair")
     if args.random_draft and draft is None:
         raise SystemExit("--random-draft needs a draft to copy: give --draft")
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     # eagle3 runs beside the others wherever a head is there: the built-in target's always.
-    head = args.head or (builtin_model("tiny-eagle3") if args.target is None else None)
+    head = args.head or (installed_builtin("tiny-eagle3") if args.target is None else None)
     s = BenchSettings(target=target, draft=draft, head=head, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,

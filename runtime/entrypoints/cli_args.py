@@ -25,7 +25,7 @@ def sampling_default(name: str):
     return SamplingParams.__dataclass_fields__[name].default
 
 
-def builtin_model(name: str) -> str | None:
+def installed_builtin(name: str) -> str | None:
     """Path of a model of the built-in pair (``tiny-target``, ``tiny-draft``), or None
     where it is not installed (the commands then ask for ``--target``)."""
     from specray.runtime.model_store import ModelNotFound
@@ -96,12 +96,13 @@ def runtime_config(args, **extra) -> RuntimeConfig:
     """A RuntimeConfig from ``add_model_args`` flags; the built-in pair fills in models."""
     values = {name: getattr(args, name) for name in list(FIELD_SECTION) + list(_TOP_HELP) if hasattr(args, name)}
     values.update(extra)
-    target = values.get("target") or builtin_model("tiny-target")
+    target = values.get("target") or installed_builtin("tiny-target")
     if target is None:
         raise ValueError("no --target given and the built-in pair is missing under models/")
     values["target"] = target
     if values.get("proposer", "draft") == "draft":
-        draft = values.get("draft") or (builtin_model("tiny-draft") if getattr(args, "target", None) is None else None)
+        own_target = getattr(args, "target", None) is not None
+        draft = values.get("draft") or (None if own_target else installed_builtin("tiny-draft"))
         if draft is None:
             raise ValueError("--proposer draft needs --draft")
         values["draft"] = draft

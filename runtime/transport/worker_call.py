@@ -1,4 +1,6 @@
-"""How the engine reaches a worker, wherever it runs: a ``WorkerCall``.
+"""How the engine reaches a worker, wherever it runs: a ``WorkerCall``. (Proposers are
+reached through their own contract, ``specray.scheduler.proposers.proposer.Proposer``;
+the draft model's ranks are WorkerCalls beneath it.)
 
 ``submit`` starts a step call and returns a handle, ``wait`` returns its result or raises
 ``WorkerLost``. In-process workers (``LocalCall``) simply run in ``submit``; actor
@@ -57,16 +59,6 @@ class LocalCall:
 
     def close(self) -> None:
         pass
-
-
-class SequenceCall(LocalCall):
-    """A proposer in the driver's process that reads each sequence's tokens from the
-    ``Sequence`` itself (suffix decoding): ``submit`` gets the plan's sequences too."""
-
-    takes_sequences = True
-
-    def __init__(self, proposer) -> None:
-        super().__init__(lambda plan, seqs: (proposer.propose(plan.step_id, seqs), None))
 
 
 class LocalDraftCall(LocalCall):

@@ -23,9 +23,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specray.runtime.config import RuntimeConfig
-from specray.runtime.transport.worker_call import LocalCall, LocalDraftCall, SequenceCall, WorkerCall
-from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
+from specray.runtime.transport.draft_proposer import DraftModelProposer
+from specray.runtime.transport.worker_call import LocalCall, LocalDraftCall, WorkerCall
+from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, SpeculationConfig
+from specray.scheduler.proposers.in_target import InTargetProposer
+from specray.scheduler.proposers.merged import MergedProposer
 from specray.scheduler.proposers.ngram import NgramProposer
+from specray.scheduler.proposers.proposer import NoProposer, Proposer
 from specray.scheduler.proposers.suffix import SuffixProposer
 from specray.workers.config import ModelConfig
 
@@ -33,12 +37,12 @@ from specray.workers.config import ModelConfig
 @dataclass
 class WorkerPool:
     verifiers: list[WorkerCall]
-    proposers: list[WorkerCall]
+    proposer: Proposer                      # every proposer, one object (``build_proposer``)
     target_blocks: list[int]
     draft_blocks: list[int] | None          # None: proposers without KV (n-gram, suffix) or none
     actors: list = field(default_factory=list)
     placement_group: Any = None
-    suffix: SuffixProposer | None = None     # suffix decoding, in this process (alone or beside the drafts)
+    draft_calls: list[WorkerCall] = field(default_factory=list)   # the draft model's workers (its ranks)
     local_workers: list = field(default_factory=list)   # model workers in this process (co-located)
 
     def graph_stats(self, timeout_s: float = 5.0) -> list[dict | None]:
@@ -59,8 +63,9 @@ class WorkerPool:
         return out
 
     def release(self) -> None:
-        for call in self.verifiers + self.proposers:
+        for call in self.verifiers:
             call.close()
+        self.proposer.close()
         if not self.actors and self.placement_group is None:
             return
         import ray
@@ -112,17 +117,23 @@ def _wait_all(refs: list, cancel: threading.Event, timeout: float | None = None)
     return True
 
 
-def _host_proposers(cfg: RuntimeConfig, pool: WorkerPool) -> list[WorkerCall]:
-    """Prompt lookup and suffix decoding are cheap host work: they run in the driver and
-    cost no actor hop. Suffix decoding beside the draft model proposes from the engine."""
-    spec = cfg.speculation
-    if spec.suffix:
-        pool.suffix = SuffixProposer(spec)
+def build_proposer(spec: SpeculationConfig, draft_calls: list[WorkerCall]) -> Proposer:
+    """The configured proposer, where its inputs are: the draft model on its workers
+    (``draft_calls``, one rank each); prompt lookup and suffix decoding in this process,
+    the driver's (cheap host work, no hop); an EAGLE-3 head in the target worker; a model
+    and suffix decoding merged per sequence for "draft+suffix" and "eagle3+suffix"."""
     if spec.proposer == "ngram":
-        return [LocalCall(NgramProposer(spec).propose)]
+        return NgramProposer(spec)
     if spec.proposer == "suffix":
-        return [SequenceCall(pool.suffix)]
-    return []
+        return SuffixProposer(spec)
+    if spec.head:
+        # An EAGLE-3 head proposes inside its target worker's verify (``TargetWorker.head``).
+        head = InTargetProposer()
+        return MergedProposer(head, SuffixProposer(spec)) if spec.suffix else head
+    if not spec.draft_model:
+        return NoProposer()
+    drafts = DraftModelProposer(draft_calls, predraft=spec.overlap)
+    return MergedProposer(drafts, SuffixProposer(spec)) if spec.suffix else drafts
 
 
 def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
@@ -149,11 +160,10 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
         _check(cancel)
         w.runner.allocate(b)
     verifiers = [LocalCall(lambda plan, probs, t=t: t.verify(plan, *probs)) for t in targets]
-    proposers = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
+    calls = [LocalDraftCall(d) if cfg.speculation.overlap else LocalCall(d.propose) for d in drafts]
     d_blocks = [d.num_blocks() for d in drafts] if drafts else None
-    pool = WorkerPool(verifiers, proposers, [t.num_blocks() for t in targets], d_blocks, local_workers=workers)
-    pool.proposers += _host_proposers(cfg, pool) + _head_proposers(cfg, targets)
-    return pool
+    return WorkerPool(verifiers, build_proposer(cfg.speculation, calls), [t.num_blocks() for t in targets],
+                      d_blocks, draft_calls=calls, local_workers=workers)
 
 
 def _head(cfg: RuntimeConfig) -> str | None:
@@ -161,10 +171,6 @@ def _head(cfg: RuntimeConfig) -> str | None:
     return cfg.model.draft if cfg.speculation.head else None
 
 
-def _head_proposers(cfg: RuntimeConfig, targets: list) -> list[WorkerCall]:
-    """An EAGLE-3 head proposes in its target worker's process, from the hidden states its
-    verify captured: a call into that worker (the driver's own, in either layout)."""
-    return [LocalCall(t.propose) for t in targets] if cfg.speculation.head else []
 
 
 def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
@@ -251,14 +257,13 @@ def _start_actors(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     restarts = cluster.max_worker_restarts
     verifiers = [LocalCall(lambda plan, probs, t=local: t.verify(plan, *probs_values(probs)))]
     verifiers += [TargetHandle(a, restarts, link=cluster.worker_link) for a in targets]
-    remote_proposers = [DraftHandle(a, restarts, link=cluster.worker_link) for a in drafts]
-    pool = WorkerPool(verifiers, list(remote_proposers), t_blocks, d_blocks, actors, pg,
-                      local_workers=[local])
-    pool.proposers += _host_proposers(cfg, pool) + _head_proposers(cfg, [local])
+    calls = [DraftHandle(a, restarts, link=cluster.worker_link) for a in drafts]
+    pool = WorkerPool(verifiers, build_proposer(cfg.speculation, calls), t_blocks, d_blocks, actors, pg,
+                      draft_calls=calls, local_workers=[local])
     if cluster.worker_link:
         # Links open now, not in a request's first step.
         try:
-            for call in verifiers + remote_proposers:
+            for call in verifiers + calls:
                 if not getattr(call, "inline", False):
                     call.warm_up()
         except BaseException:

@@ -12,14 +12,19 @@ import time
 
 from specray.scheduler.config import SpeculationConfig
 from specray.scheduler.messages import Proposals, StepPlan
+from specray.scheduler.proposers.proposer import HostProposer
+from specray.scheduler.sequence import Sequence
 
 
-class NgramProposer:
+class NgramProposer(HostProposer):
     def __init__(self, speculation: SpeculationConfig) -> None:
         """Matches n-grams of ``speculation.ngram_max`` down to ``ngram_min`` tokens."""
         self.max_ngram = speculation.ngram_max
         self.min_ngram = speculation.ngram_min
         self.history: dict[int, list[int]] = {}
+
+    def propose_plan(self, plan: StepPlan, seqs: list[Sequence]) -> Proposals:
+        return self.propose(plan)[0]
 
     def propose(self, plan: StepPlan) -> tuple[Proposals, None]:
         t0 = time.perf_counter()

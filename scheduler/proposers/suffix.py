@@ -29,20 +29,25 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from specray.scheduler.config import SpeculationConfig
-from specray.scheduler.messages import Proposals
+from specray.scheduler.messages import Proposals, StepPlan
 from specray.scheduler.proposal_choice import ScoreRecord, common_prefix
+from specray.scheduler.proposers.proposer import HostProposer
 from specray.scheduler.proposers.sequence_matches import SequenceMatches
 from specray.scheduler.proposers.suffix_tree import Candidate, SuffixTree
 from specray.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specray.scheduler.step import StepOutcome
 
 # Bytes of one tree node as CPython holds it (its count, its slot in the children list,
 # a small children dict, its entry in its parent's): measured once, for metrics().
 NODE_BYTES = 8 + 8 + sys.getsizeof({0: 1}) + 8
 
 
-class SuffixProposer:
+class SuffixProposer(HostProposer):
     def __init__(self, speculation: SpeculationConfig) -> None:
         self.spec = speculation
         self.requests: dict[int, SequenceMatches] = {}
@@ -52,6 +57,9 @@ class SuffixProposer:
         # chances times its source's calibration.
         self.records = {"own": ScoreRecord(), "global": ScoreRecord()}
         self._proposed: dict[int, tuple[str, Candidate]] = {}   # seq id -> its last proposal, and whence
+
+    def propose_plan(self, plan: StepPlan, seqs: list[Sequence]) -> Proposals:
+        return self.propose(plan.step_id, seqs)
 
     def propose(self, step_id: int, seqs: list[Sequence]) -> Proposals:
         """Proposals for ``seqs``, each up to its ``proposal_len``, in a ``[n, width]`` grid
@@ -72,7 +80,12 @@ class SuffixProposer:
         return Proposals(step_id=step_id, width=width, has_probs=False, compute_s=time.perf_counter() - t0,
                          seq_ids=[s.seq_id for s in seqs], proposal_lens=lens, token_ids=tokens, scores=scores)
 
-    def observe(self, seq_id: int, emitted) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
+        """Every verified sequence's last proposal judged (``judge``)."""
+        for v in outcome.verdicts:
+            self.judge(v.seq_id, v.tokens)
+
+    def judge(self, seq_id: int, emitted) -> None:
         """The target emitted ``emitted`` for ``seq_id`` this step: its last proposal is
         judged against them whether it was verified or another proposer's was. Where the
         draft's was, the emitted tokens are the target's own (its greedy tokens, or a draw

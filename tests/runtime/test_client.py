@@ -220,7 +220,7 @@ def test_metrics_reach_rays_prometheus_endpoint(rt, ray_module):
 
     rt.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
     first = wait_for(rt.metrics()["num_emitted_tokens"])
-    for name in ("acceptance_rate", "mean_proposal_len", "mean_overhead_s"):
+    for name in ("acceptance_rate", "mean_proposal_len", "mean_overhead_s", "acceptance_by_position"):
         assert f"ray_specray_{name}" in first, (name, first)
     rt.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
     assert wait_for(rt.metrics()["num_emitted_tokens"])["ray_specray_num_emitted_tokens_total"] \

@@ -207,7 +207,12 @@ def test_a_client_in_another_process_rides_through_a_restart(rt):
 
 
 def test_shutdown_after_restarts_leaves_nothing_running(rt):
-    assert rt.metrics()["num_driver_restarts"] >= 2
+    """After restarts (the tests above, or one here when this test runs alone) shutdown
+    leaves no driver, worker or placement group behind."""
+    if rt.metrics()["num_driver_restarts"] == 0:
+        kill_driver(rt)
+        rt.generate(PROMPTS[:1], GREEDY)
+    assert rt.metrics()["num_driver_restarts"] >= 1
     rt.shutdown()
     deadline = time.monotonic() + 30
     while (alive("Driver") or alive("TargetActor") or alive("DraftActor") or live_groups()) \

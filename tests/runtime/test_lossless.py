@@ -213,7 +213,7 @@ def test_two_groups_in_flight_keep_the_target_distribution(tiny_vocab_pair):
                         dtype="float32", max_num_seqs=1024, max_pending=N, seed=17)
 
     def groups(drv):
-        drv.engine = GroupEngine(drv.scheduler, drv.engine.verifiers, drv.engine.proposers)
+        drv.engine = GroupEngine(drv.scheduler, drv.engine.verifiers, drv.engine.proposer)
 
     outs, m = sample(cfg, SamplingParams(max_tokens=2, temperature=1.0), prepare=groups)
     counts = Counter(tuple(o.token_ids) for o in outs)

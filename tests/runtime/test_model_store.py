@@ -35,8 +35,8 @@ def test_a_missing_builtin_model_says_where_it_looked(tmp_path, monkeypatch):
     assert str(e.value) == (f"the built-in model 'tiny-target' is not installed (looked in {installed} and "
                             f"{clone}); reinstall specray, or pass the path of a model directory")
     # The CLI's defaults then ask for --target instead.
-    from specray.runtime.entrypoints.cli_args import builtin_model
-    assert builtin_model("tiny-target") is None
+    from specray.runtime.entrypoints.cli_args import installed_builtin
+    assert installed_builtin("tiny-target") is None
 
 
 @pytest.fixture

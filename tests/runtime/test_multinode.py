@@ -3,6 +3,8 @@ on the right nodes, proposals merged across nodes, data-parallel targets, same o
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -30,6 +32,16 @@ def cluster():
     CLUSTER_REF["cluster"] = c
     CLUSTER_REF["target_nodes"] = nodes["target"]
     ray.init(address=c.address, log_to_driver=False)
+    # placement() asks the state API, served by the head's dashboard: on a loaded machine it
+    # can come up later than one call's 40 s of retries.
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            list_actors(limit=1)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
     yield nodes
     ray.shutdown()
     c.shutdown()

@@ -101,7 +101,7 @@ def test_draft_and_suffix_side_by_side_keep_outputs_and_the_drafts_cache_exact(r
     assert_matches_reference(eng, ref)
     assert verified["draft"] > 20 and verified["suffix"] > 20
     assert sorted(eng.suffix.finished_ids) == sorted(ref)
-    assert eng.engine.draft_record.accepted > 0
+    assert eng.engine.proposer.record.accepted > 0
     # The suffix proposer hears what every verified sequence emitted, whichever proposal
     # was verified: it judges its own proposals against them.
     assert len(eng.suffix.observed) >= sum(verified.values())

@@ -17,7 +17,7 @@ import torch
 from eagle3_reference import RefHead, head_config, random_weights, ref_drafts, save_head, target_aux, train_head
 from specray_testing import make_plan, worker_configs
 
-from specray.scheduler.merge import merge_proposals
+from specray.scheduler.messages import IN_TARGET_ROW
 from specray.workers.eagle3_loader import fit_target, load_eagle3
 from specray.workers.llama_model import AuxCapture
 from specray.workers.target_worker import TargetWorker
@@ -85,9 +85,34 @@ def reading(head_path, target):
     return RefHead(cfg, tensors, target.model.embed_tokens.weight.detach()), ids
 
 
+def recording(worker) -> list:
+    """The worker's head, its proposals recorded as it makes them inside ``verify``:
+    [(rows, tokens per row, probabilities)] per call."""
+    calls = []
+    propose = worker.head.propose
+
+    def record(plan, rows):
+        tokens, probs = propose(plan, rows)
+        calls.append((rows, tokens, probs))
+        return tokens, probs
+
+    worker.head.propose = record
+    return calls
+
+
 @pytest.fixture(scope="module")
 def worker(target_path, head_path):
-    return TargetWorker(*worker_configs(target_path, num_kv_blocks=96), head=head_path)
+    w = TargetWorker(*worker_configs(target_path, num_kv_blocks=96), head=head_path)
+    w.made = recording(w)
+    return w
+
+
+def head_plan(seq_ids, computed, new, tokens, slots, lens, width, **kw):
+    """A target plan whose sequences ask the head in the target for their proposals
+    (``IN_TARGET_ROW``), as the driver's ``InTargetProposer`` marks them."""
+    n = len(seq_ids)
+    return make_plan(seq_ids, computed, new, tokens, slots, width=width, proposal_lens=lens,
+                     proposal_token_ids=[-1] * (n * width), draft_rows=[IN_TARGET_ROW] * n, **kw)
 
 
 def run_steps(worker, prompts, max_new, k=K, recompute_at=None):
@@ -108,17 +133,17 @@ def run_steps(worker, prompts, max_new, k=K, recompute_at=None):
             free = [recompute_at[1]]
             computed[recompute_at[1]] = 0
         lens = [min(k, max_new - len(emitted[s]) - 1) for s in active]
-        plan = make_plan(active, [computed[s] for s in active], [len(seqs[s]) - computed[s] for s in active],
+        plan = head_plan(active, [computed[s] for s in active], [len(seqs[s]) - computed[s] for s in active],
                          [t for s in active for t in seqs[s][computed[s]:]],
-                         [len(seqs[s]) + n for s, n in zip(active, lens)], width=k, proposal_lens=lens,
-                         free_seq_ids=free, step_id=step)
-        props, probs = worker.propose(plan)
-        result = worker.verify(merge_proposals(plan, [props]), *([probs] if probs is not None else []))
+                         [len(seqs[s]) + n for s, n in zip(active, lens)], lens, k, free_seq_ids=free, step_id=step)
+        result = worker.verify(plan)
+        rows, made, _ = worker.made[-1]
+        assert rows == list(range(len(active))) and result.proposed == [len(m) for m in made]
         pos = 0
         for i, (s, n) in enumerate(zip(result.seq_ids, result.num_emitted)):
             tokens = result.token_ids[pos:pos + n]
             pos += n
-            log.append((s, list(seqs[s]), props.token_ids[i * k:i * k + props.proposal_lens[i]], n - 1))
+            log.append((s, list(seqs[s]), made[i], n - 1))
             computed[s] = len(seqs[s]) + n - 1
             seqs[s] += tokens
             emitted[s] += tokens
@@ -242,6 +267,7 @@ def test_sampled_output_has_the_targets_joint_distribution(target_path, head_pat
 
     n, temp, top_k = 1500, 1.0, 3
     worker = TargetWorker(*worker_configs(target_path, num_kv_blocks=n * 4, max_num_seqs=n), head=head_path)
+    made = recording(worker)
     prompt = head[1][0, :6].tolist()
     sids = list(range(n))
     # Step 1 (prefill): the first token greedy, so the joint that follows is one distribution.
@@ -257,13 +283,12 @@ def test_sampled_output_has_the_targets_joint_distribution(target_path, head_pat
         if not active:
             break
         m = len(active)
-        plan = make_plan(active, [computed[s] for s in active], [len(seqs[s]) - computed[s] for s in active],
+        plan = head_plan(active, [computed[s] for s in active], [len(seqs[s]) - computed[s] for s in active],
                          [t for s in active for t in seqs[s][computed[s]:]], [len(seqs[s]) + 2 for s in active],
-                         width=2, proposal_lens=[2] * m, step_id=step, temperature=[temp] * m, top_k=[top_k] * m,
+                         [2] * m, 2, step_id=step, temperature=[temp] * m, top_k=[top_k] * m,
                          seeds=[1000 + s for s in active])
-        props, probs = worker.propose(plan)
-        assert props.has_probs and probs.shape == (m, 2, VOCAB)
-        result = worker.verify(merge_proposals(plan, [props]), probs)
+        result = worker.verify(plan)
+        assert made[-1][2].shape == (m, 2, VOCAB)
         proposed += sum(result.proposed)
         pos = 0
         for s, k in zip(result.seq_ids, result.num_emitted):

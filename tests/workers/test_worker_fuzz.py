@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specray.runtime.engine.core import Engine
+from specray.runtime.transport.draft_proposer import DraftModelProposer
 from specray.runtime.transport.worker_call import LocalCall
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
@@ -102,7 +103,7 @@ def generate(draft, target, between=lambda where: None) -> dict[int, list[int]]:
         between("in flight")
         return decode(encode(target.verify(decode(encode(plan), StepPlan), *probs)), StepResult)
 
-    engine = Engine(sched, [LocalCall(verify)], [LocalCall(propose)])
+    engine = Engine(sched, [LocalCall(verify)], DraftModelProposer([LocalCall(propose)]))
     seqs = []
     for sid, toks in prompts().items():
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9 if sid == SAMPLED else 0.0, top_k=20)

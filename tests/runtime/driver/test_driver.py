@@ -155,7 +155,7 @@ def test_a_step_failing_for_one_request_fails_it_alone(llama_pair, worker, overl
         alone.shutdown()
     drv = _local(llama_pair, overlap=overlap)
     try:
-        calls = drv.engine.verifiers if worker == "target" else drv.engine.proposers
+        calls = drv.engine.verifiers if worker == "target" else drv.engine.proposer.calls
         raised = break_steps_of(calls[0])
         bad = SamplingParams(max_tokens=20, temperature=0.9, top_k=MARK, seed=8)
         ids = drv.submit([PROMPTS[0], [1, 2, 3, 4], PROMPTS[1]], [GOOD[0], bad, GOOD[1]]).request_ids

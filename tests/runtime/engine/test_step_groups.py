@@ -28,7 +28,7 @@ def grouped(drv: DriverCore) -> GroupEngine:
     """The driver's engine replaced, before any request, by one keeping two groups in
     flight over the same in-process workers (the order of calls is what groups change)."""
     e = drv.engine
-    drv.engine = GroupEngine(drv.scheduler, e.verifiers, e.proposers)
+    drv.engine = GroupEngine(drv.scheduler, e.verifiers, e.proposer)
     return drv.engine
 
 
@@ -100,8 +100,8 @@ def test_a_draft_worker_lost_with_both_groups_in_flight_loses_nothing(llama_pair
     dying = []
 
     def kill_later(drv):
-        call = DyingDraft(drv.engine.proposers[0], drv.pool.local_workers[-1], at=6)
-        drv.engine.proposers[0] = call
+        call = DyingDraft(drv.engine.proposer.calls[0], drv.pool.local_workers[-1], at=6)
+        drv.engine.proposer.calls[0] = call
         dying.append(call)
 
     got, m = run(cfg, params, groups=True, prepare=kill_later)
@@ -137,7 +137,7 @@ def test_a_group_failing_for_one_request_fails_it_alone(llama_pair, worker):
     drv = DriverCore(cfg.replace(layout="colocated"), export_metrics=False)
     try:
         engine = grouped(drv)
-        raised = break_steps_of((engine.proposers if worker == "draft" else engine.verifiers)[0])
+        raised = break_steps_of((engine.proposer.calls if worker == "draft" else engine.verifiers)[0])
         reply = drv.submit(PROMPTS[:bad] + [[1, 2, 3]] + PROMPTS[bad:],
                            params[:bad] + [SamplingParams(max_tokens=30, top_k=MARK)] + params[bad:])
         assert reply.error is None

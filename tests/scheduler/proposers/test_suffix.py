@@ -56,13 +56,13 @@ def test_each_source_is_trusted_as_far_as_its_proposals_agreed_with_the_target()
         # The target goes on as the request itself did before: the global tree's proposal
         # is wrong from its first token, the request's own right (verified or not).
         sp.propose(1, [s])
-        sp.observe(2, (8, 1, 9))
+        sp.judge(2, (8, 1, 9))
     p = sp.propose(1, [s])
     assert rows(p)[0] == [8, 1] and sp.records["global"].calibration < 0.5
     assert sp.records["own"].calibration == pytest.approx(sp.ceiling()) and sp.ceiling() > 1.0
     before = dict(vars(sp.records["own"]))
-    sp.observe(2, ())                        # nothing emitted: nothing learnt
-    sp.observe(2, (8, 1, 9))                 # no proposal pending any more: nothing learnt
+    sp.judge(2, ())                        # nothing emitted: nothing learnt
+    sp.judge(2, (8, 1, 9))                 # no proposal pending any more: nothing learnt
     assert vars(sp.records["own"]) == before
 
 
@@ -80,13 +80,13 @@ def test_a_proposal_is_judged_as_far_as_the_emitted_tokens_reach():
                                     ((5, 6), [1, 1], 2)]:
         p = sp.propose(1, [s])
         assert rows(p)[0] == [5, 6, 7, 8] and p.scores == [pytest.approx(3.0 * sp.records["global"].calibration)]
-        sp.observe(3, emitted)
+        sp.judge(3, emitted)
         ref.observe(sum(stated), agreed)
         assert vars(sp.records["global"]) == pytest.approx(vars(ref))
     # A step that found no proposal leaves nothing to judge.
     sp.propose(1, [s])
     sp.propose(1, [seq(3, [0, 50, 51], proposal_len=4)])
-    sp.observe(3, (5, 6))
+    sp.judge(3, (5, 6))
     assert vars(sp.records["global"]) == pytest.approx(vars(ref))
 
 
