@@ -98,6 +98,14 @@ class TargetWorker(ModelWorker):
         result.compute_s = time.perf_counter() - t0
         return result
 
+    def graph_stats(self) -> dict:
+        stats = super().graph_stats()
+        if self.head is not None:
+            # The head's own time (proposing, and rebuilding from the target's states),
+            # inside this worker's verify calls: what the bench sets against the draft's.
+            stats["head_compute_s"] = getattr(self.head, "compute_s", 0.0)
+        return stats
+
     def _told(self, plan: StepPlan, result: StepResult) -> StepResult:
         """The proposer in this process (``head``), if any, hears the step's verdicts."""
         if self.head is not None:
