@@ -7,7 +7,12 @@ SSE) and through ``SpecRuntime.stream`` (one thread a client), alternately,
 ``--repeats`` times. Reported as vLLM's
 benchmark_serving reports: time to first token and inter-token latency (per token: a
 chunk's gap divided by its tokens) p50/p99, output tokens/s, success rate; and the ratios
-HTTP / handle."""
+HTTP / handle.
+
+``--workload json``: chat requests through HTTP with a JSON-schema ``response_format`` off
+and on, side by side at each concurrency (SmolLM2 with n-gram proposals by default):
+output tokens/s, their ratio on / off, acceptance, and the grammar's mask time per step
+(``json_workload``)."""
 
 from __future__ import annotations
 
@@ -134,6 +139,78 @@ def summary(r, n):
                 itl_p99_ms=1e3 * pct(r["itl"], .99), success=r["ok"] / n)
 
 
+async def json_level(url, model, asks, conc, max_tokens, schema):
+    """``conc`` closed-loop clients sending the chat ``asks`` (non-streamed), with
+    ``response_format`` json_schema ``schema`` (None: unconstrained)."""
+    import aiohttp
+
+    queue = list(range(len(asks)))
+    tokens = ok = 0
+
+    async def worker(session):
+        nonlocal tokens, ok
+        while queue:
+            i = queue.pop()
+            body = {"model": model, "messages": [{"role": "user", "content": asks[i]}], "max_tokens": max_tokens,
+                    "temperature": 0.7, "seed": i}
+            if schema is not None:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                if r.status == 200:
+                    ok += 1
+                    tokens += (await r.json())["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(conc)))
+    return dict(tokens=tokens, ok=ok, wall=time.perf_counter() - t0)
+
+
+def json_workload(args) -> list[dict]:
+    """Grammar off and on at each concurrency, alternating, ``args.repeats`` times."""
+    import ray
+
+    from specray import RuntimeConfig, SpecRuntime
+    from specray.runtime import model_store
+    from specray.runtime.bench.json_workload import ASKS, SCHEMA
+    from specray.runtime.entrypoints.openai.ingress import start_http, stop_http
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    target = args.target or model_store.fetch("smollm2")
+    rt = SpecRuntime(RuntimeConfig(target=target, draft=None, proposer=args.proposer, num_speculative_tokens=args.k,
+                                   name="serve-load", namespace="serve-load"))
+    url = start_http("serve-load", "serve-load", "m", port=18777)
+    results = []
+    try:
+        asyncio.run(json_level(url, "m", ASKS, 2, 8, SCHEMA))          # warm-up
+        for c in [int(x) for x in args.concurrency.split(",") if x]:
+            n = args.num_requests or max(16, 2 * c)
+            asks = [ASKS[i % len(ASKS)] + f" (request {i})" for i in range(n)]
+            row = {"concurrency": c, "requests": n, "off": [], "on": []}
+            for rep in range(args.repeats):
+                for grammar in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                    before = rt.metrics()
+                    r = asyncio.run(json_level(url, "m", asks, c, args.max_tokens, SCHEMA if grammar == "on" else None))
+                    after = rt.metrics()
+                    d = {k: after[k] - before[k] for k in ("num_draft_tokens", "num_accepted_tokens", "mask_s",
+                                                           "num_steps")}
+                    row[grammar].append(dict(tokens_per_s=r["tokens"] / r["wall"], success=r["ok"] / n,
+                                             acceptance=d["num_accepted_tokens"] / max(d["num_draft_tokens"], 1),
+                                             mask_ms_per_step=1e3 * d["mask_s"] / max(d["num_steps"], 1)))
+            med = {g: {m: statistics.median(x[m] for x in row[g]) for m in row[g][0]} for g in ("off", "on")}
+            row["tokens_per_s_ratio_on_off"] = med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"]
+            results.append(row)
+            print(f"json concurrency={c}: off {med['off']['tokens_per_s']:7.1f} tok/s accept "
+                  f"{med['off']['acceptance']:.3f} | on {med['on']['tokens_per_s']:7.1f} tok/s accept "
+                  f"{med['on']['acceptance']:.3f} mask {med['on']['mask_ms_per_step']:.3f} ms/step | ratio "
+                  f"{row['tokens_per_s_ratio_on_off']:.3f} ok {med['on']['success']:.2f}", flush=True)
+    finally:
+        stop_http()
+        rt.shutdown()
+        ray.shutdown()
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--concurrency", default="1,8,32", help="closed-loop levels ('' for none)")
@@ -144,7 +221,16 @@ def main():
     ap.add_argument("--speculation", default="on", help="on, off or on,off")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--workload", default="text", choices=["text", "json"])
+    ap.add_argument("--target", default=None, help="json workload: the model (default: SmolLM2, fetched)")
+    ap.add_argument("--proposer", default="ngram", help="json workload: the proposer (a target alone: ngram, suffix)")
     args = ap.parse_args()
+    if args.workload == "json":
+        results = json_workload(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(results=results, args=vars(args)), f, indent=1)
+        return
     import ray
     from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ import msgpack
 
 from specray.scheduler.sampling_params import MAX_LOGPROBS
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # A ``StepPlan.draft_rows`` (and ``Proposals.prob_rows``) entry: this sequence's proposals
 # are made in the target worker's process, in its verify call, by the proposer that runs
@@ -63,6 +63,13 @@ class StepPlan:
     the target worker's verify call). ``logprobs[i]`` (target
     plans; empty: no sequence asked): ``-1`` for none, else how many top alternatives each
     emitted token's logprob comes with (``SamplingParams.logprobs``).
+
+    Structured output (empty lists: no sequence of the plan is constrained):
+    ``grammar_lens[i]`` bytes of ``grammar_bytes`` hold sequence i's
+    ``StructuredOutput.key`` (UTF-8; 0: unconstrained), and ``output_lens[i]`` tokens of
+    ``output_token_ids`` its output so far (``tokens[prompt_len:step_len]``; 0 where
+    unconstrained): what the worker's matcher for it must have consumed before this step
+    (``specray.workers.grammar``), whatever the worker held before.
     """
 
     step_id: int = _scalar(int, 0)
@@ -81,6 +88,10 @@ class StepPlan:
     seeds: list[int] = _packed("q")
     logprobs: list[int] = _packed("i")
     free_seq_ids: list[int] = _packed("q")
+    grammar_lens: list[int] = _packed("i")
+    grammar_bytes: list[int] = _packed("B")
+    output_lens: list[int] = _packed("i")
+    output_token_ids: list[int] = _packed("i")
 
     @property
     def num_seqs(self) -> int:
@@ -114,6 +125,12 @@ class StepPlan:
         _expect(len(self.logprobs) in (0, n), "StepPlan.logprobs does not match seq_ids")
         _expect(all(-1 <= x <= MAX_LOGPROBS for x in self.logprobs),
                 f"StepPlan.logprobs must be in [-1, {MAX_LOGPROBS}]")
+        _expect(len(self.grammar_lens) in (0, n), "StepPlan.grammar_lens does not match seq_ids")
+        _expect(len(self.output_lens) == len(self.grammar_lens), "StepPlan.output_lens does not match grammar_lens")
+        _expect(all(x >= 0 for x in self.grammar_lens) and sum(self.grammar_lens) == len(self.grammar_bytes),
+                "StepPlan.grammar_bytes does not match grammar_lens")
+        _expect(all(x >= 0 for x in self.output_lens) and sum(self.output_lens) == len(self.output_token_ids),
+                "StepPlan.output_token_ids does not match output_lens")
 
 
 @dataclass
@@ -139,6 +156,7 @@ class Proposals:
     prob_rows: list[int] = _packed("i")
     num_prob_rows: int = _scalar(int, 0)
     scores: list[float] = _packed("d")
+    mask_s: float = _scalar(float, 0.0)      # of compute_s: structured output's masks on the host
 
     def validate(self) -> None:
         n = len(self.seq_ids)
@@ -177,6 +195,7 @@ class StepResult:
     logprobs: list[float] = _packed("f")
     top_ids: list[int] = _packed("i")
     top_logprobs: list[float] = _packed("f")
+    mask_s: float = _scalar(float, 0.0)      # of compute_s: structured output's masks on the host
 
     def validate(self) -> None:
         _expect(len(self.num_emitted) == len(self.seq_ids), "StepResult.num_emitted does not match seq_ids")

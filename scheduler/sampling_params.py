@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specray.scheduler.structured_output import StructuredOutput
+
 GREEDY_BELOW = 1e-5
 # Past this, dividing float32 logits by the temperature flattens every gap a model makes
 # to nothing (and near float32's range it is inf, and -inf / inf is NaN): the bound keeps
@@ -38,6 +40,11 @@ class SamplingParams:
     logprob under the target's raw logits (before temperature, top-k and top-p) and its n
     most likely alternatives. ``speculation=False`` decodes the request plainly: nothing
     is proposed for it, whatever the runtime's proposer.
+    ``structured_output``: None, or what the output must match (a ``StructuredOutput``, or a
+    dict with one of its kinds: ``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``); the output is then sampled from the target's distribution restricted to
+    the tokens the grammar allows, with or without speculation, and ends ("stop") where the
+    grammar is complete. It cannot be combined with ``ignore_eos``.
     """
 
     max_tokens: int = 16
@@ -50,6 +57,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     speculation: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -87,6 +95,12 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {_shown(self.logprobs)}")
         if not isinstance(self.speculation, bool):
             raise ValueError(f"speculation must be a bool, got {type(self.speculation).__name__}")
+
+        if self.structured_output is not None:
+            self.structured_output = StructuredOutput.from_value(self.structured_output)
+            if self.ignore_eos:
+                raise ValueError("structured_output ends the output where the grammar is complete; "
+                                 "it cannot be combined with ignore_eos")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]

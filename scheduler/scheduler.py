@@ -33,6 +33,7 @@ from collections import deque
 
 from specray.scheduler.block_manager import BlockManager
 from specray.scheduler.config import CacheConfig, SpeculationConfig
+from specray.scheduler.grammar_plan import add_grammars
 from specray.scheduler.messages import StepPlan
 from specray.scheduler.quarantine import Quarantine
 from specray.scheduler.sequence import Sequence, SequenceStatus
@@ -311,6 +312,10 @@ class Scheduler:
             # Nobody asked: the plan says so with no entries, and the worker computes nothing.
             if plan is not None and all(x < 0 for x in plan.logprobs):
                 plan.logprobs = []
+        for plans, seqs in ((t_plans, t_seqs), (d_plans, d_seqs)):
+            for plan, on in zip(plans, seqs):
+                if plan is not None and any(s.params.structured_output is not None for s in on):
+                    add_grammars(plan, on)
         # Pending frees ride with a plan of that worker, or alone when it has no work.
         for plans, frees in ((t_plans, self._target_frees), (d_plans, self._draft_frees)):
             for r, pending in enumerate(frees):

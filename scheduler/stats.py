@@ -27,6 +27,7 @@ class SpecStats:
     draft_compute_s: float = 0.0     # the draft workers' own time (the slowest of each call)
     verify_compute_s: float = 0.0    # the target workers' own time
     merge_s: float = 0.0             # merging proposals into the target plans
+    mask_s: float = 0.0              # structured output: host mask work, of the workers' compute
     num_draft_calls: int = 0
     schedule_s: float = 0.0
     num_spec_off_steps: int = 0      # steps in which no sequence proposed (with a proposer)
@@ -72,6 +73,7 @@ class SpecStats:
         # A worker's clock may run past the driver's by a hair; messaging is never negative.
         self.verify_compute_s += min(t.verify_compute_s, t.verify_s)
         self.merge_s += t.merge_s
+        self.mask_s += t.mask_s
         o = outcome.overlap
         self.num_predrafted_windows += o.predrafted
         self.num_predraft_windows_used += o.used
@@ -109,6 +111,8 @@ class SpecStats:
             "num_draft_calls": self.num_draft_calls,
             "schedule_s": self.schedule_s,
             "merge_s": self.merge_s,
+            "mask_s": self.mask_s,
+            "mean_mask_s": self.mask_s / steps if steps else 0.0,
             "draft_compute_s": self.draft_compute_s,
             "verify_compute_s": self.verify_compute_s,
             "messaging_s": messaging,

@@ -94,6 +94,7 @@ class StepTimes:
     verify_s: float = 0.0
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
+    mask_s: float = 0.0                           # structured output's host masks (draft + target), of the computes
     step_s: float = 0.0                           # the whole step up to its update
 
 

@@ -254,3 +254,21 @@ def make_plan(seq_ids, num_computed, num_new, token_ids, num_slots, *, width=0, 
                     free_seq_ids=list(free_seq_ids))
     plan.validate()
     return plan
+
+
+MARK = 13      # a top_k that, here, breaks any step carrying it (as 10**12 broke the plan's packing)
+
+
+def break_steps_of(call, when=lambda plan: MARK in plan.top_k) -> list[int]:
+    """Make this worker call raise, as a worker does on input it cannot take, for every
+    plan ``when`` holds of; returns a list counting the calls that raised."""
+    raised, submit = [], call.submit
+
+    def faulty(plan, *args):
+        if plan.seq_ids and when(plan):
+            raised.append(plan.step_id)
+            raise OverflowError("Python int too large to convert to C int")
+        return submit(plan, *args)
+
+    call.submit = faulty
+    return raised

@@ -57,3 +57,5 @@ def test_an_installed_specray_carries_the_builtin_pair(wheel, tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
         assert (site / "specray" / "models" / "tiny-target" / name).is_file()
         assert (site / "specray" / "models" / "tiny-draft" / name).is_file()
+    # The chat template: the default HTTP server answers chat requests.
+    assert (site / "specray" / "models" / "tiny-target" / "chat_template.jinja").is_file()

@@ -26,6 +26,7 @@ from specray.scheduler.messages import Predraft, Proposals, StepPlan
 from specray.scheduler.predraft import window
 from specray.workers import model_loader
 from specray.workers.config import ModelConfig
+from specray.workers.grammar_step import GrammarSide
 from specray.workers.model_runner import ModelWorker
 from specray.workers.sampling import STREAM_DRAFT, keyed_uniform, logits_to_probs, sample_from_probs
 
@@ -47,6 +48,8 @@ class DraftWorker(ModelWorker):
         # drafts past, and the last pre-draft, which ``adopt`` takes windows from.
         self._last: tuple[StepPlan, Proposals] | None = None
         self._pre: Predraft | None = None
+        self.grammar = GrammarSide(model.target, self.target_vocab)
+        self._probs: torch.Tensor | None = None     # the last call's draft probabilities
 
     def _own_ids(self, plan: StepPlan) -> StepPlan:
         """The plan with tokens the draft has no row for (ids in [own, target)) fed as 0;
@@ -79,8 +82,11 @@ class DraftWorker(ModelWorker):
         if last is None or last[0].step_id != step_id:
             return Predraft(step_id=step_id), None
         plan, props = last
+        # Constrained sequences are drafted when their plan comes: a pre-draft would need
+        # their matchers past a guessed token.
         rows = [i for i in range(plan.num_seqs) if props.proposal_lens[i] == plan.proposal_lens[i] >= 1
-                and plan.num_slots[i] >= plan.num_computed[i] + plan.num_new[i] + 2 * plan.proposal_lens[i]]
+                and plan.num_slots[i] >= plan.num_computed[i] + plan.num_new[i] + 2 * plan.proposal_lens[i]
+                and not (plan.grammar_lens and plan.grammar_lens[i])]
         if not rows:
             return Predraft(step_id=step_id), None
         r = self.runner
@@ -132,8 +138,23 @@ class DraftWorker(ModelWorker):
         # proposal is never run through the draft.
         r.kv.apply(plan, [max(x - 1, 0) for x in plan.proposal_lens])
         n, width = plan.num_seqs, plan.width
+        masks = self.grammar.draft_masks(plan, self.scored)      # None: nothing proposed is constrained
         if n == 0:
             return Proposals(step_id=plan.step_id, width=width, compute_s=time.perf_counter() - t0), None
+        try:
+            out = self._passes(plan, masks)
+        finally:
+            if masks is not None:
+                masks.close()
+        out.compute_s = time.perf_counter() - t0
+        out.mask_s = masks.seconds if masks is not None else 0.0
+        return out, self._probs
+
+    def _passes(self, plan: StepPlan, masks) -> Proposals:
+        """The catch-up pass and the proposal passes of ``_propose`` (the draft
+        probabilities are left in ``self._probs``)."""
+        r = self.runner
+        n, width = plan.num_seqs, plan.width
         dev = r.device
         lens = plan.proposal_lens
         sampled_rows = [t > 0 for t in plan.temperature]
@@ -163,6 +184,8 @@ class DraftWorker(ModelWorker):
                                    torch.arange(len(rows), device=dev))[:, :w]       # [m, w]
             else:
                 idx = torch.arange(n, device=dev)
+            if masks is not None:
+                masks.mask(p, rows, logits, proposals)
             tok = logits.argmax(dim=-1)
             if any_sampled and any(sampled_rows[i] for i in rows):
                 q = logits_to_probs(logits, temps[idx], [plan.top_k[i] for i in rows],
@@ -174,6 +197,7 @@ class DraftWorker(ModelWorker):
             proposals[idx, p] = tok
         # Rows planned with proposal_len 0 still ran pass 0; their token is not a proposal.
         proposals[r.to_device([i for i in range(n) if lens[i] == 0])] = -1
-        return Proposals(step_id=plan.step_id, width=width, has_probs=any_sampled, compute_s=time.perf_counter() - t0,
+        self._probs = probs
+        return Proposals(step_id=plan.step_id, width=width, has_probs=any_sampled,
                          seq_ids=list(plan.seq_ids), proposal_lens=list(lens),
-                         token_ids=proposals.flatten().tolist()), probs
+                         token_ids=proposals.flatten().tolist())

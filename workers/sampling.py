@@ -16,6 +16,7 @@ STREAM_ACCEPT = 2     # the accept/reject coin
 STREAM_TARGET = 3     # the recovered or bonus token
 
 _M32 = 0xFFFFFFFF
+LOGPROB_FLOOR = -9999.0
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
     logits: [..., V]; token_ids: [...] valid ids. Returns the tokens' logprobs [...] and the
     ``num_top`` largest logprobs and their ids [..., num_top], largest first. float32.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    # A token structured output forbids has -inf; reported as -9999.0 (vLLM's floor), so
+    # every figure is finite (JSON has no infinity).
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp(min=LOGPROB_FLOOR)
     chosen = logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
     top_lp, top_ids = logp.topk(num_top, dim=-1)
     return chosen, top_lp, top_ids

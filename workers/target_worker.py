@@ -15,6 +15,7 @@ from specray.workers import memory_budget
 from specray.workers.config import ModelConfig
 from specray.workers.eagle3_drafter import Eagle3Drafter
 from specray.workers.errors import PlanError
+from specray.workers.grammar_step import GrammarSide
 from specray.workers.in_target_head import InTargetHead, propose_in_target
 from specray.workers.model_runner import ModelWorker
 from specray.workers.rejection_sampler import greedy_accept, random_verify
@@ -32,6 +33,7 @@ class TargetWorker(ModelWorker):
         (``ModelRunner``). ``head``: an EAGLE-3 head's checkpoint; it proposes inside
         ``verify`` (``in_target_head``) from the hidden states each verify captures."""
         super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate and not head)
+        self.grammar = GrammarSide(model.target, self.runner.vocab_size)
         self.head = Eagle3Drafter(head, self.runner) if head else None
         if self.head is not None:
             # The head's cache has a slot for every one of the target's: sized together.
@@ -54,12 +56,15 @@ class TargetWorker(ModelWorker):
         proposal_lens = plan.proposal_lens if plan.proposal_token_ids else [0] * n
         self._check_proposals(plan, proposal_lens, draft_probs)
         r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
+        masks = self.grammar.start_verify_masks(plan, proposal_lens)       # on the host, beside the forward
         if n == 0:
             return self._told(plan, StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0))
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens, width)
         aux = self.head.capture() if self.head is not None else None     # what the head reads
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
                            r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens], aux=aux)  # [sum + n, V]
+        # Structured output: forbidden tokens masked before anything reads the logits.
+        mask_s = self.grammar.finish_verify_masks(masks, logits)
         vocab = logits.shape[-1]
         w1 = width + 1
         # The [n, width+1] grid repeats a sequence's last row past its proposals; only the
@@ -89,7 +94,8 @@ class TargetWorker(ModelWorker):
         for j, i in enumerate(sampled):
             emitted[i] = out[j * w1:j * w1 + counts[j]]
         result = StepResult(step_id=plan.step_id, seq_ids=list(plan.seq_ids), proposed=list(proposal_lens),
-                            num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e])
+                            num_emitted=[len(e) for e in emitted], token_ids=[t for e in emitted for t in e],
+                            mask_s=mask_s)
         if asked:
             # Computed before the sync above: this copy waits for nothing.
             floats = torch.cat([chosen.view(-1), top_lp.view(-1)]).tolist()

@@ -160,6 +160,10 @@ class Admission:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary")
+        if params.structured_output is not None:
+            from specray.workers.grammar import check_for_model
+
+            check_for_model(params.structured_output, self.config.model.target, self.vocab_size)
         return ids, params
 
     def _tokenize(self, text: str) -> list[int]:

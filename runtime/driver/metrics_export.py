@@ -18,6 +18,7 @@ GAUGES = {
     "mean_draft_s": "mean time of a draft call",
     "mean_verify_s": "mean time of a verify call",
     "mean_overhead_s": "mean time of a step outside the workers' own compute (schedule, merge, messaging, driver)",
+    "mean_mask_s": "mean host time per step of structured output's grammar masks (draft and target)",
 }
 COUNTERS = {
     "num_draft_tokens": "draft tokens proposed",

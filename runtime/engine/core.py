@@ -143,6 +143,7 @@ class Engine:
             # Workers compute in parallel: the slowest one's own time is the phase's compute,
             # the rest of the phase's wall time is messaging.
             outcome.times.draft_compute_s = max(p.compute_s for p, _ in shards)
+            outcome.times.mask_s += max(p.mask_s for p, _ in shards)
         return shards
 
     def _submit_draft(self, r: int, plan: StepPlan, step: ScheduledStep) -> int:
@@ -173,7 +174,7 @@ class Engine:
             h = self.verifiers[r].submit(plan, probs)
             pending.append((r, plan, self.calls.sent(step.step_id, "target", r, self.verifiers[r].wait, h)))
         out: list[Verdict] = []
-        compute_s = 0.0
+        compute_s = mask_s = 0.0
         for r, plan, h in sorted(pending, key=lambda p: p[0]):     # verdicts in rank order, as ever
             try:
                 result = self.calls.wait(h)
@@ -183,9 +184,11 @@ class Engine:
                 continue
             out += verdicts(plan, result)
             compute_s = max(compute_s, result.compute_s)
+            mask_s = max(mask_s, result.mask_s)
         outcome.times.merge_s = merge_s
         outcome.times.verify_s = self.clock() - t1 - merge_s
         outcome.times.verify_compute_s = compute_s
+        outcome.times.mask_s += mask_s
         return out
 
     # -- lost workers ------------------------------------------------------------------

@@ -140,6 +140,7 @@ class GroupEngine(Engine):
             # waited for what was left of it.
             outcome.times.draft_s = waited
             outcome.times.draft_compute_s = min(compute, waited)
+            outcome.times.mask_s += max(p.mask_s for p, _ in shards)
             outcome.overlap.hidden_s = max(0.0, compute - waited)
         for r in sched.targets_down:
             # Lost since this group was planned: its sequences there were requeued.

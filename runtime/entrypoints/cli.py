@@ -55,6 +55,8 @@ def cmd_bench(args) -> int:
     if args.random_draft and draft is None:
         raise SystemExit("--random-draft needs a draft to copy: give --draft")
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    if args.workload == "json":
+        return _bench_json(args, target, draft, sizes)
     # eagle3 runs beside the others wherever a head is there: the built-in target's always.
     head = args.head or (installed_builtin("tiny-eagle3") if args.target is None else None)
     s = BenchSettings(target=target, draft=draft, head=head, k=args.num_speculative_tokens, batch_sizes=sizes,
@@ -88,6 +90,22 @@ def cmd_bench(args) -> int:
         for m in result["mismatches"]:
             print("  " + m, file=sys.stderr)
         return 1
+    return 0
+
+
+def _bench_json(args, target: str, draft: str | None, sizes: tuple[int, ...]) -> int:
+    """``specray bench --workload json`` (``specray.runtime.bench.json_workload``)."""
+    from specray.runtime.bench.json_workload import format_json_table, run_json_bench, write_json_result
+    from specray.runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig(target=target, draft=draft, proposer="draft" if draft else "ngram",
+                        num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
+                        executor=args.executor, layout="colocated" if args.colocate else "auto")
+    max_tokens, repeats = (min(args.max_tokens, 32), min(args.repeats, 2)) if args.quick else (args.max_tokens,
+                                                                                               args.repeats)
+    result = run_json_bench(cfg, sizes, max_tokens, repeats, args.temperature)
+    print(format_json_table(result))
+    print(f"wrote {write_json_result(result, args.out)}")
     return 0
 
 
@@ -141,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--head", default=None,
                    help="an EAGLE-3 head for the target (default: tiny-eagle3 with the built-in target): eagle3 runs "
                         "beside the other proposers")
+    b.add_argument("--workload", default="text", choices=["text", "json"],
+                   help="text: the comparison above; json: the same requests with a JSON-schema grammar off and "
+                        "on, side by side (tokens/s, acceptance, mask time per step; docs/structured-output.md)")
     b.add_argument("--random-draft", action="store_true",
                    help="replace the draft's weights with random ones: a deliberately bad draft")
     b.set_defaults(func=cmd_bench)

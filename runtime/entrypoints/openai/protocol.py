@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from specray.runtime.chat import ChatPrompt, check_messages
+from specray.runtime.entrypoints.openai import structured, tool_calls
 from specray.scheduler.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 5             # completions' ``logprobs`` (OpenAI's own limit)
@@ -26,8 +27,7 @@ MAX_CHOICES = 4096           # RuntimeConfig's default max_pending; the ingress 
 # Fields clients send with their default values; any other value asks for what specray
 # does not do, and is refused rather than silently ignored.
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": None, "echo": False,
-            "suffix": None, "tools": None, "tool_choice": None, "response_format": None,
-            "parallel_tool_calls": None, "functions": None, "function_call": None}
+            "suffix": None, "parallel_tool_calls": None, "functions": None, "function_call": None}
 
 
 class ApiError(Exception):
@@ -65,6 +65,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None       # alternatives per token asked for (None: no logprobs)
+    tool_call: dict | None = None     # the call the answer is constrained to (tool_calls.parse)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -91,6 +92,12 @@ def _kind_names(kinds: tuple) -> str:
 
 
 def _common(body: object, kind: str, served: str, max_model_len: int) -> tuple[dict, SamplingParams, int]:
+    body, params, n, _ = _common_with_call(body, kind, served, max_model_len)
+    return body, params, n
+
+
+def _common_with_call(body: object, kind: str, served: str,
+                      max_model_len: int) -> tuple[dict, SamplingParams, int, dict | None]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -130,10 +137,17 @@ def _common(body: object, kind: str, served: str, max_model_len: int) -> tuple[d
     if fields["top_k"] == -1:
         fields["top_k"] = 0                           # vLLM's spelling of "off"
     try:
+        spec, source, call = structured.parse(body, kind)
+    except structured.FieldError as e:
+        raise bad(str(e), e.param) from None
+    if spec is not None:
+        fields["structured_output"] = spec
+    try:
         params = SamplingParams(**fields)
     except (ValueError, TypeError) as e:
-        raise bad(str(e), _param_named(str(e), fields)) from None
-    return body, params, n
+        param = source if str(e).startswith("structured_output") else _param_named(str(e), fields)
+        raise bad(str(e), param) from None
+    return body, params, n, call
 
 
 def _param_named(message: str, fields: dict) -> str | None:
@@ -239,7 +253,7 @@ def chat_messages(messages: object) -> list[dict]:
 
 def parse_chat(body: object, served: str, max_model_len: int, max_choices: int = MAX_CHOICES) -> GenerationRequest:
     """``POST /v1/chat/completions``."""
-    body, base, n = _common(body, "chat", served, max_model_len)
+    body, base, n, call = _common_with_call(body, "chat", served, max_model_len)
     _check_choices(1, n, max_choices)
     prompt = ChatPrompt(chat_messages(body.get("messages")))
     want = _get(body, "logprobs", (bool,), False)
@@ -251,8 +265,10 @@ def parse_chat(body: object, served: str, max_model_len: int, max_choices: int =
     logprobs = (top or 0) if want else None
     base = _with_logprobs(base, logprobs)
     stream, include = _stream_fields(body)
+    if stream and call is not None:
+        raise bad("stream is not supported with a tool_choice that constrains the answer to a call", "stream")
     ps, pp = _choices(base, [prompt], n)
-    return GenerationRequest("chat", served, ps, pp, 1, n, stream, include, logprobs,
+    return GenerationRequest("chat", served, ps, pp, 1, n, stream, include, logprobs, tool_call=call,
                              id=f"chatcmpl-{uuid.uuid4().hex}")
 
 
@@ -333,10 +349,14 @@ def response(req: GenerationRequest, choices: list[Choice], names: dict[int, str
                             else None} for c in choices]
     else:
         body["object"] = "chat.completion"
-        body["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason,
-                            "logprobs": chat_logprobs(c.logprobs, names) if req.logprobs is not None else None}
-                           for c in choices]
+        body["choices"] = []
+        for c in choices:
+            msg, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if req.tool_call is not None:
+                msg, finish = tool_calls.message(req.tool_call, c.text, c.finish_reason)
+            body["choices"].append({"index": c.index, "message": msg, "finish_reason": finish,
+                                    "logprobs": chat_logprobs(c.logprobs, names) if req.logprobs is not None
+                                    else None})
     body["usage"] = usage(choices, req.num_prompts, req.n)
     body["specray"] = spec_figures(choices)
     return body

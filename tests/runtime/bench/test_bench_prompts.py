@@ -21,11 +21,11 @@ def test_quote_prompts_quote_a_paragraph_after_an_instruction():
 
 
 def test_prompts_are_the_tokenizers_ids():
-    tok = load_tokenizer(builtin_model("tiny-target"))           # bytes, no chat template
+    tok = load_tokenizer(builtin_model("tiny-target"))           # bytes, a plain chat template
     code = bench_prompts("code", 3, tok)
     assert code == [[b + 3 for b in t.encode()] for t in held_out_prompts(3)]
     quote = bench_prompts("quote", 2, tok)
-    assert quote == [[b + 3 for b in (t + "\n\n").encode()] for t in quote_texts(2)]
+    assert quote == [[b + 3 for b in f"# user: {t}\n# assistant: ".encode()] for t in quote_texts(2)]
     with pytest.raises(ValueError, match="prompts must be one of code, quote"):
         bench_prompts("poems", 1, tok)
 

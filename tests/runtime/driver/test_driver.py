@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from specray_testing import hf_greedy
+from specray_testing import MARK, break_steps_of, hf_greedy
 
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
@@ -104,24 +104,6 @@ def test_poll_many_returns_every_request_with_news_in_one_call(llama_pair):
 
 
 # -- a failed step fails only the request that makes it fail ------------------------------
-
-MARK = 13      # a top_k that, here, breaks any step carrying it (as 10**12 broke the plan's packing)
-
-
-def break_steps_of(call, when=lambda plan: MARK in plan.top_k) -> list[int]:
-    """Make this worker call raise, as a worker does on input it cannot take, for every
-    plan ``when`` holds of; returns a list counting the calls that raised."""
-    raised, submit = [], call.submit
-
-    def faulty(plan, *args):
-        if plan.seq_ids and when(plan):
-            raised.append(plan.step_id)
-            raise OverflowError("Python int too large to convert to C int")
-        return submit(plan, *args)
-
-    call.submit = faulty
-    return raised
-
 
 GOOD = [SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=7),
         SamplingParams(max_tokens=20, temperature=0.8, seed=11, stop_token_ids=[3])]

@@ -128,7 +128,7 @@ def test_a_group_failing_for_one_request_fails_it_alone(llama_pair, worker):
     """A request whose every step raises (its draft call cannot be sent: the group fails at
     launch; or its verification raises: at landing) while the other group is in flight:
     it alone fails, and the others' seeded samples equal a serial run without it."""
-    from test_driver import MARK, break_steps_of
+    from specray_testing import MARK, break_steps_of
 
     cfg = config(llama_pair, max_num_seqs=8)
     params = [SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=i) for i in range(len(PROMPTS))]

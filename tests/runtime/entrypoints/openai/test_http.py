@@ -393,3 +393,59 @@ def test_a_stream_rides_through_a_driver_kill_with_the_same_text(client, server)
     assert rt.metrics()["num_driver_restarts"] == before + 1
     # It serves on, non-streaming too.
     assert client.completions.create(**kw).choices[0].text == ref
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "The weather in Oslo for three days, as JSON."}]
+
+
+def test_json_schema_answers_validate_and_json_object_answers_parse(client):
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=80, temperature=0.7, seed=3, n=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}})
+    done = [c for c in r.choices if c.finish_reason == "stop"]
+    assert done, [c.message.content for c in r.choices]
+    for c in done:
+        jsonschema.validate(json.loads(c.message.content), WEATHER)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0.7, seed=4, n=4,
+                                       response_format={"type": "json_object"})
+    done = [c for c in r.choices if c.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(c.message.content), dict) for c in done)
+
+
+def test_a_named_tool_call_comes_back_as_tool_calls_whose_arguments_validate(client):
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0.7, seed=5, n=3,
+                                       tools=tools, tool_choice={"type": "function",
+                                                                 "function": {"name": "get_weather"}})
+    calls = [c for c in r.choices if c.finish_reason == "tool_calls"]
+    assert calls, [c.message.content for c in r.choices]
+    for c in calls:
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and c.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "strnig"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"if": {}, "then": {}}}}},
+     "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+])
+def test_structured_output_refusals_are_400s_naming_the_field_and_the_server_serves_on(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0.0,
+                                       extra_body={"structured_outputs": {"choice": ["sunny", "rain"]}})
+    assert r.choices[0].message.content in ("sunny", "rain") and r.choices[0].finish_reason == "stop"
