@@ -20,10 +20,11 @@ Recipe (EAGLE-3 / SpecForge, scaled to a CPU):
    loss is weighted ``--decay ** i``.
 
 Per-position accuracy (how often step i's argmax is the target's) is measured on
-held-out generations and printed as JSON; ``models/README.md`` records the built-in
-head's. Example (the built-in ``tiny-eagle3``)::
+held-out generations and printed as JSON (and written to ``train_stats.json`` beside
+the head); ``models/README.md`` records the built-in head's. The built-in ``tiny-eagle3``::
 
-    python scripts/train_eagle3.py --out models/tiny-eagle3
+    python scripts/train_eagle3.py --out models/tiny-eagle3 --steps 1100 --batch 12 --gen-len 96 \
+        --num-prompts 320 --corpus-windows 1600 --intermediate-size 512
 """
 
 from __future__ import annotations
