@@ -177,9 +177,11 @@ class RuntimeConfig:
         check_int("seed", self.seed, 0)
         check_int("max_pending", self.max_pending)
         proposer = self.speculation.proposer
+        if self.speculation.head:
+            self._settle_head()
         if self.speculation.draft_model and not self.model.draft:
             raise ValueError(f"draft must be set when proposer={proposer!r}")
-        if not self.speculation.draft_model and self.model.draft:
+        if not (self.speculation.draft_model or self.speculation.head) and self.model.draft:
             raise ValueError(f"draft must be None when proposer={proposer!r}")
         for name in ("tensor_parallel_size", "draft_tensor_parallel_size"):
             tp = getattr(self.cluster, name)
@@ -192,6 +194,25 @@ class RuntimeConfig:
         if dtp > 1 and self.cluster.layout == "colocated":
             raise ValueError(f"draft_tensor_parallel_size={dtp} runs the draft on actors of its own: "
                              "layout='actors' (or 'auto')")
+
+    def _settle_head(self) -> None:
+        """An EAGLE-3 head is ``draft``; the built-in target's default is ``tiny-eagle3``.
+        The head runs in the target worker, so each target worker has its own."""
+        from specray.runtime.model_store import default_head
+
+        proposer = self.speculation.proposer
+        if not self.model.draft:
+            head = default_head(self.model.target)
+            if head is None:
+                raise ValueError(f"draft: proposer={proposer!r} needs an EAGLE-3 head (its directory or hub id); "
+                                 "only the built-in target has a default one (tiny-eagle3)")
+            object.__setattr__(self, "model", dataclasses.replace(self.model, draft=head))
+        if self.cluster.num_target_workers != 1:
+            raise ValueError(f"num_target_workers: proposer={proposer!r} runs its head beside one target worker; "
+                             f"{self.cluster.num_target_workers} data-parallel targets are not supported with it yet")
+        if self.cluster.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: proposer={proposer!r} runs its head beside an unsplit target; "
+                             f"a target split in {self.cluster.tensor_parallel_size} is not supported with it yet")
 
     def replace(self, **changes) -> "RuntimeConfig":
         """A copy with flat fields (or whole sections, ``seed``, ``max_pending``) changed."""

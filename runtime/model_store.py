@@ -27,7 +27,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN = ("tiny-target", "tiny-draft")
+BUILTIN = ("tiny-target", "tiny-draft", "tiny-eagle3")
 _HERE = Path(__file__).resolve().parent
 MARKER = "specray-model.json"       # written last: a directory holding it is complete
 
@@ -48,6 +48,18 @@ def builtin_model(name: str) -> str:
             return str(path)
     raise ModelNotFound(f"the built-in model {name!r} is not installed (looked in {places[0]} and {places[1]}); "
                         "reinstall specray, or pass the path of a model directory")
+
+
+def default_head(target: str) -> str | None:
+    """The EAGLE-3 head ``proposer="eagle3"`` uses where none is given: ``tiny-eagle3``
+    for the built-in target, None for any other target (or where it is not installed)."""
+    try:
+        builtin = builtin_model("tiny-target")
+        head = builtin_model("tiny-eagle3")
+    except ModelNotFound:
+        return None
+    same = os.path.isdir(target) and os.path.samefile(target, builtin)
+    return head if same else None
 
 
 @dataclass(frozen=True)

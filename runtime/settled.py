@@ -10,7 +10,8 @@ and handed on whole. Every part reads the settled configuration; none decides ag
 - ``max_model_len``: the window in force, the asked one within the target's own
   (``max_position_embeddings``).
 - ``draft_max_model_len``: the draft model's, within ``max_model_len`` (it serves the
-  target's sequences); past it a sequence decodes without proposals.
+  target's sequences); past it a sequence decodes without proposals. None with an
+  EAGLE-3 head: it drafts at the target's positions, over the target's window.
 - ``tensor_parallel_size``, ``draft_tensor_parallel_size``: checked against the model's
   heads, KV heads and MLP once its config can be read; a split the layers do not allow is
   refused before anything starts.
@@ -34,7 +35,11 @@ def settle(config: RuntimeConfig) -> RuntimeConfig:
     spec = config.speculation
     overlap = spec.overlap if spec.overlap is not None else layout == "actors"
     spec = dataclasses.replace(spec, overlap=overlap and spec.proposer == "draft")
-    model = settle_windows(config.model)
+    if spec.head:
+        model = dataclasses.replace(settle_windows(dataclasses.replace(config.model, draft=None)),
+                                    draft=config.model.draft)
+    else:
+        model = settle_windows(config.model)
     k = spec.num_speculative_tokens
     if k >= model.max_model_len:
         raise ValueError(f"num_speculative_tokens {k} must be below max_model_len {model.max_model_len}")

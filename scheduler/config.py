@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROPOSERS = ("draft", "ngram", "suffix", "draft+suffix", "none")
+PROPOSERS = ("draft", "ngram", "suffix", "draft+suffix", "eagle3", "eagle3+suffix", "none")
 # The proposers that run a draft model (and need ModelConfig.draft).
 DRAFT_MODEL_PROPOSERS = ("draft", "draft+suffix")
+# The proposers that run an EAGLE-3 head in the target worker (ModelConfig.draft is the head).
+HEAD_PROPOSERS = ("eagle3", "eagle3+suffix")
 POLICIES = ("static", "adaptive")
 
 
@@ -81,8 +83,9 @@ class SpeculationConfig:
 
     proposer: str = field(default="draft", metadata={
         "help": "draft model, n-gram prompt lookup, suffix decoding (what earlier requests emitted), both the "
-                "draft and suffix decoding (per sequence, the proposal expected to be accepted longer), or none "
-                "(plain decoding)", "choices": PROPOSERS})
+                "draft and suffix decoding (per sequence, the proposal expected to be accepted longer), an "
+                "EAGLE-3 head (draft: its checkpoint; it reads the target's hidden states in the target worker), "
+                "the head and suffix decoding (as draft+suffix), or none (plain decoding)", "choices": PROPOSERS})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "tokens a sequence proposes per step, at most", "flags": ("-k", "--num-speculative-tokens")})
     speculation_policy: str = field(default="static", metadata={
@@ -143,9 +146,20 @@ class SpeculationConfig:
     @property
     def suffix(self) -> bool:
         """Whether suffix decoding proposes (alone or beside the draft model)."""
-        return self.proposer in ("suffix", "draft+suffix")
+        return self.proposer in ("suffix", "draft+suffix", "eagle3+suffix")
 
     @property
     def draft_model(self) -> bool:
         """Whether a draft model proposes."""
         return self.proposer in DRAFT_MODEL_PROPOSERS
+
+    @property
+    def suffix_beside(self) -> bool:
+        """Whether suffix decoding proposes beside a model (the draft's or a head's), per
+        sequence the proposal expected to be accepted longer verified."""
+        return self.proposer in ("draft+suffix", "eagle3+suffix")
+
+    @property
+    def head(self) -> bool:
+        """Whether an EAGLE-3 head proposes (in the target worker's process)."""
+        return self.proposer in HEAD_PROPOSERS

@@ -44,6 +44,11 @@ class InTargetHead(ABC):
         sequence is greedy. The fed tokens (``plan.token_ids``) end with the token the
         last verify emitted."""
 
+    def capture(self):
+        """What the target's forward of this step should fill for ``verified`` (a
+        ``llama_model.AuxCapture`` of the layers the head reads), or None: nothing."""
+        return None
+
     @abstractmethod
     def verified(self, plan: StepPlan, result: StepResult) -> None:
         """The step's verification: sequence i kept ``result.num_emitted[i] - 1`` of its

@@ -19,9 +19,15 @@ rank's part only (its query and KV heads, its MLP rows, its vocabulary slice) an
 forward meets the other ranks in three collectives (embedding, o_proj, down_proj) and a
 gather at the head; ``heads`` and ``kv_heads`` are then this rank's. Every rank returns the
 same logits [m, V], and the hidden states between layers are whole on every rank.
+
+``hidden_states(..., aux=AuxCapture(layers))`` also keeps, for every fed row, the residual
+stream entering each of ``layers`` (what an EAGLE-3 head reads); without it the loop
+does nothing more than before.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +112,20 @@ class _Shard:
         return w.detach() if self.split is None else self.split.vocab_rows(w)
 
 
+@dataclass
+class AuxCapture:
+    """The residual stream entering some layers, for every fed row: ``layers`` (entering-
+    layer indices, in the order their states are concatenated; repeats allowed) is what
+    the caller asks, ``states`` what the forward filled ({layer: [T, D]})."""
+
+    layers: tuple[int, ...]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def concat(self) -> torch.Tensor:
+        """[T, len(layers) * D], in ``layers`` order."""
+        return torch.cat([self.states[i] for i in self.layers], dim=-1)
+
+
 class _Layer:
     __slots__ = ("idx", "ln1", "qkv_w", "qkv_b", "o_w", "qk_norm", "ln2", "gate_up_w", "down_w",
                  "window", "scaling")
@@ -181,11 +201,13 @@ class NativeCausalLM:
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor, tail: QueryTail | None = None,
+                aux: AuxCapture | None = None) -> torch.Tensor:
         """``tail``: the rows ``logits_index`` draws from, when they are few (a prefill
         wants one row per sequence): the last layer writes every row's K/V, then attends,
-        projects and runs its MLP for those rows alone; no other row's output is read."""
-        return self.logits(self.hidden_states(input_ids, positions, meta, logits_index, tail))
+        projects and runs its MLP for those rows alone; no other row's output is read.
+        ``aux``: as for ``hidden_states``."""
+        return self.logits(self.hidden_states(input_ids, positions, meta, logits_index, tail, aux))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [m, D] (normed) -> logits [m, V]."""
@@ -203,10 +225,13 @@ class NativeCausalLM:
         return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      logits_index: torch.Tensor, tail: QueryTail | None = None) -> torch.Tensor:
+                      logits_index: torch.Tensor, tail: QueryTail | None = None,
+                      aux: AuxCapture | None = None) -> torch.Tensor:
         """The normed final hidden states [m, D] of ``logits_index``: what ``logits`` projects.
         A CUDA graph captures this much and leaves the vocabulary projection out, so its
-        output is [rows, D], not [rows, V] (``step_graphs``)."""
+        output is [rows, D], not [rows, V] (``step_graphs``). ``aux``: filled with the
+        residual stream entering its layers, every fed row (taken before ``tail`` cuts the
+        last layer's rows)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         t = h.shape[0]
@@ -217,6 +242,8 @@ class NativeCausalLM:
                 residual = h
             else:
                 residual = residual + h
+            if aux is not None and L.idx in aux.layers:
+                aux.states[L.idx] = residual                                # [T, D], entering layer L
             x = rms_norm(residual, L.ln1, self.eps)
             qkv = _mm(x, L.qkv_w, L.qkv_b)
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)

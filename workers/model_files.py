@@ -17,7 +17,7 @@ import os
 DEFAULT_WINDOW = 2048
 
 # The built-in pair's folder names: a path ending in one is never a hub id.
-_BUILTIN = ("tiny-target", "tiny-draft")
+_BUILTIN = ("tiny-target", "tiny-draft", "tiny-eagle3")
 
 
 def looks_local(path: str) -> bool:

@@ -213,22 +213,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seq_ids: list[int], num_computed: list[int], num_new: list[int],
-                input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None) -> torch.Tensor:
+                input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None,
+                aux: llama_model.AuxCapture | None = None) -> torch.Tensor:
         """input_ids: [T] on the device (packed, ``num_new[i]`` per sequence);
         logits_index: [m] packed rows whose logits are wanted; ``tail`` (optional): per
         sequence, how many of its last fed rows those lie in. Where the tails are at most
         half the step (a prefill, a draft's catch-up), the native executor's last layer
-        runs on them alone. Returns float32 [m, V]."""
+        runs on them alone. ``aux`` (native executor only): filled with the residual
+        stream entering its layers (an EAGLE-3 head's input); such a step runs eagerly.
+        Returns float32 [m, V]."""
         tables = self.kv.tables(seq_ids)
-        if self.graphs is not None:
+        if self.graphs is not None and aux is None:
             hidden = self.graphs.run(tables, num_computed, num_new, input_ids, logits_index)
             if hidden is not None:
                 return self.native.logits(hidden).float()
         self.eager_forwards += 1
-        return self._eager(self.kv.layers, tables, num_computed, num_new, input_ids, logits_index, tail)
+        return self._eager(self.kv.layers, tables, num_computed, num_new, input_ids, logits_index, tail, aux)
 
     def _eager(self, layers, tables: list[list[int]], num_computed: list[int], num_new: list[int],
-               input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None) -> torch.Tensor:
+               input_ids: torch.Tensor, logits_index: torch.Tensor, tail: list[int] | None = None,
+               aux: llama_model.AuxCapture | None = None) -> torch.Tensor:
         meta, positions = build_metadata(layers, tables, num_computed, num_new, self.cache_config.block_size,
                                          self.device)
         if self.native is not None:
@@ -237,7 +241,7 @@ class ModelRunner:
             if tail is not None and 2 * sum(tail) <= input_ids.shape[0] and all(map(int.__le__, tail, num_new)):
                 tail_step = query_tail(layers, tables, num_computed, num_new, tail, logits_index,
                                        self.cache_config.block_size, self.device)
-            return self.native.forward(input_ids, positions, meta, logits_index, tail_step).float()
+            return self.native.forward(input_ids, positions, meta, logits_index, tail_step, aux).float()
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                          use_cache=False, logits_to_keep=logits_index, specray_meta=meta)
         return out.logits[0].float()

@@ -3,6 +3,7 @@ forward pass (no batch expansion) and runs the rejection sampler."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -10,7 +11,9 @@ import torch
 
 from specray.scheduler.config import CacheConfig
 from specray.scheduler.messages import StepPlan, StepResult
+from specray.workers import memory_budget
 from specray.workers.config import ModelConfig
+from specray.workers.eagle3_drafter import Eagle3Drafter
 from specray.workers.errors import PlanError
 from specray.workers.grammar_step import GrammarSide
 from specray.workers.in_target_head import InTargetHead, propose_in_target
@@ -28,14 +31,25 @@ class TargetWorker(ModelWorker):
     head: InTargetHead | None = None
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, allocate: bool = True,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None, head: str | None = None) -> None:
         """``allocate=False``: the KV cache is sized later, with the process's other workers
         (``ModelRunner``). ``group``: this worker is one rank of a tensor-parallel target;
         rank 0 is called as any worker and shares each step with the others, which run
-        ``rank_group.follow`` (every rank of the group builds at once)."""
-        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate, group=group)
+        ``rank_group.follow`` (every rank of the group builds at once). ``head``: an
+        EAGLE-3 head's checkpoint; it proposes inside ``verify`` (``in_target_head``) from
+        the hidden states each verify captures (tensor parallel runs without one)."""
+        super().__init__(model.target, model, cache, model.max_model_len, allocate=allocate and not head,
+                         group=group)
         self.grammar = GrammarSide(model.target, self.runner.vocab_size)
         self.share = StepShare(group) if group is not None and group.size > 1 and group.rank == 0 else None
+        self.head = Eagle3Drafter(head, self.runner) if head else None
+        if self.head is not None:
+            # The head's cache has a slot for every one of the target's: sized together.
+            r, h = self.runner, self.head.head
+            r.need = dataclasses.replace(r.need, per_block=r.need.per_block + h.block_bytes(cache.block_size),
+                                         held=r.need.held + h.nbytes)
+            if allocate:
+                r.allocate(cache.num_kv_blocks or memory_budget.plan_blocks([r.need], cache.gpu_memory_utilization)[0])
 
     @torch.inference_mode()
     def verify(self, plan: StepPlan, *draft_probs: torch.Tensor | None) -> StepResult:
@@ -51,7 +65,8 @@ class TargetWorker(ModelWorker):
         if self.share is not None:
             self.share.send(OP_VERIFY, plan)     # the group's other ranks run this forward with this one
         masks = self.grammar.start_verify_masks(plan, proposal_lens)       # on the host, beside the forward
-        scored = self.score(plan)
+        aux = self.head.capture() if self.head is not None else None     # what the head reads
+        scored = self.score(plan, aux)
         if scored is None:
             return self._told(plan, StepResult(step_id=plan.step_id, compute_s=time.perf_counter() - t0))
         batch, logits = scored
@@ -96,16 +111,25 @@ class TargetWorker(ModelWorker):
         result.compute_s = time.perf_counter() - t0
         return result
 
+    def graph_stats(self) -> dict:
+        stats = super().graph_stats()
+        if self.head is not None:
+            # The head's own time (proposing, and rebuilding from the target's states),
+            # inside this worker's verify calls: what the bench sets against the draft's.
+            stats["head_compute_s"] = getattr(self.head, "compute_s", 0.0)
+        return stats
+
     def _told(self, plan: StepPlan, result: StepResult) -> StepResult:
         """The proposer in this process (``head``), if any, hears the step's verdicts."""
         if self.head is not None:
             self.head.verified(plan, result)
         return result
 
-    def score(self, plan: StepPlan) -> tuple["PackedVerify", torch.Tensor] | None:
+    def score(self, plan: StepPlan, aux=None) -> tuple["PackedVerify", torch.Tensor] | None:
         """The model's part of ``verify`` (every rank of a tensor-parallel group runs it):
         the KV pool resized to the plan, then one packed forward; its layout and the logits
-        [sum(proposal_lens) + n, V] of the scored rows (None for an empty plan)."""
+        [sum(proposal_lens) + n, V] of the scored rows (None for an empty plan). ``aux``: an
+        ``AuxCapture`` the forward fills for a head."""
         r = self.runner
         proposal_lens = verified_lens(plan)
         r.kv.apply(plan, proposal_lens)          # proposals are fed: their K/V is written too
@@ -114,7 +138,7 @@ class TargetWorker(ModelWorker):
         batch = packed_verify_batch(plan.token_ids, plan.num_new, plan.proposal_token_ids, proposal_lens,
                                     plan.width)
         logits = r.forward(plan.seq_ids, plan.num_computed, batch.fed, r.to_device(batch.tokens),
-                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens])
+                           r.to_device(batch.logit_rows), tail=[p + 1 for p in proposal_lens], aux=aux)
         return batch, logits
 
     def _logprobs(self, plan: StepPlan, asked: list[int], sampled: list[int], scores, argmax, out):

@@ -65,6 +65,23 @@ def _policy(r: dict) -> str:
     return r["policy"] + (f" k{r['k']}" if r.get("k") is not None else "")
 
 
+def _eagle3_lines(e: dict | None) -> list[str]:
+    """The EAGLE-3 head beside the draft model (``run.eagle3_figures``)."""
+    if not e:
+        return []
+    f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    lines = ["", "eagle3 beside the draft (greedy; tokens/s ratio within each repeat, median)"]
+    for b, row in e["by_batch"].items():
+        ratio = row.get("tokens_per_s_over_draft")
+        lines.append(f"  batch {b:>3}: accept {f(row['acceptance_rate'])}  mean_len {f(row['mean_accepted_length'], 2)}"
+                     f" (draft {f(row.get('draft_mean_accepted_length'), 2)})  tokens/s over draft "
+                     f"{f(ratio['median'] if ratio else None)}")
+    if e.get("c") is not None:
+        lines.append(f"  batch 1: alpha {f(e['alpha'])}  c {f(e['c'])} (draft {f(e.get('draft_c'))})  "
+                     f"analytic bound {f(e['analytic_bound'], 2)}  measured {f(e['measured_speedup'], 2)}")
+    return lines
+
+
 def format_table(result: dict) -> str:
     w = max([8] + [len(_policy(r)) for r in result["runs"]])        # the policy column, variants included
     against = lambda p: p["against"] + (f" ({p['best']})" if p.get("best") else "")  # noqa: E731
@@ -99,6 +116,7 @@ def format_table(result: dict) -> str:
             lines.append(f"{p.get('proposer', 'draft'):9} {_policy(p):{w}} {p['batch_size']:>5} {against(p):>{a}} "
                          f"{p['median']:>6.3f} "
                          f"{p['min']:>5.2f}-{p['max']:.2f} {p['geomean']:>8.3f} {ci:>11}")
+    lines += _eagle3_lines(result.get("eagle3"))
     if result.get("batch1_ratios"):
         lines.append("")
         lines.append("batch 1 tokens/s ratios within each repeat (median, min-max)")

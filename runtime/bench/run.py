@@ -24,7 +24,7 @@ import torch
 from specray.runtime.bench.hf_runner import HFRunner
 from specray.runtime.bench.report import public
 from specray.runtime.bench.settings import PHASES, BenchSettings, Run
-from specray.runtime.bench.stats import analytic_speedup, batch1_ratios, paired_ratios
+from specray.runtime.bench.stats import analytic_speedup, batch1_ratios, paired_ratios, within_repeats
 
 
 class OutputCheck:
@@ -101,7 +101,8 @@ def runtime_config(s: BenchSettings, proposer: str, policy: str, k: int | None, 
     policy, _, plus = policy.partition("+")
     policy, _, variant = policy.partition(":")
     return RuntimeConfig(
-        target=s.target, draft=s.draft if proposer in ("draft", "draft+suffix") else None, proposer=proposer,
+        target=s.target, proposer=proposer,
+        draft=s.draft if proposer in ("draft", "draft+suffix") else s.head if proposer == "eagle3" else None,
         num_speculative_tokens=s.k if k is None else k, device=s.device, dtype=s.dtype, executor=s.executor,
         block_size=s.block_size, max_num_seqs=max(s.batch_sizes), max_model_len=max_model_len,
         speculation_policy=policy,
@@ -172,7 +173,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
     warm_up = prompts[-1:]
     hf = HFRunner(s)
 
-    proposers = ("draft", "ngram") if s.draft else ("ngram",)
+    proposers = (("draft",) if s.draft else ()) + (("eagle3",) if s.head else ()) + ("ngram",)
     spec_configs = [(p, pol, None) for p in proposers for pol in s.policies]
     spec_configs += [(p, f"adaptive:{name}", None) for p in proposers for name in s.variants]
     if "static" not in s.policies:
@@ -254,6 +255,10 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
                         if proposer == "draft":
                             calls = after["num_draft_calls"] - before["num_draft_calls"]
                             phase["draft_s"].append((after["draft_s"] - before["draft_s"]) / max(1, calls))
+                        if proposer == "eagle3":
+                            # The head runs inside the target's verify: its own time, per step.
+                            phase.setdefault("eagle3_s", []).append(
+                                (head_s(after) - head_s(before)) / max(1, steps))
                         if proposer == "none":
                             phase["verify_none_s"].append((after["verify_s"] - before["verify_s"]) / max(1, steps))
                 else:
@@ -287,6 +292,7 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         c = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
         bound = analytic_speedup(alpha, c, s.k)
         speedup = spec1.tokens_per_s / none1.tokens_per_s
+    eagle3 = eagle3_figures(s, runs, phase) if s.head else None
     result = {
         "k": s.k, "alpha": alpha, "c": c, "analytic_bound": bound, "measured_speedup": speedup,
         "efficiency": speedup / bound if s.draft else None, "greedy_outputs_equal": not check.mismatches,
@@ -300,8 +306,45 @@ def run_bench(s: BenchSettings, draft_label: str = "given") -> dict:
         "paired": paired_ratios(list(runs.values())),
         "batch1_ratios": batch1_ratios(runs),
         "graphs": graphs,
+        "eagle3": eagle3,
     }
     return result
+
+
+def head_s(metrics: dict) -> float:
+    """The EAGLE-3 heads' own compute so far (s), summed over the target workers."""
+    return sum((g or {}).get("head_compute_s", 0.0) for g in metrics.get("worker_graphs") or [])
+
+
+def eagle3_figures(s: BenchSettings, runs: dict, phase: dict) -> dict:
+    """What limits the EAGLE-3 head beside the draft model, at batch 1 (greedy, the
+    first policy) and at every batch size: acceptance, mean accepted length, tokens/s
+    against the draft's (within repeats), the head's own time per step (its proposals
+    and its rebuild from the target's states, both inside the verify call) per proposal
+    as a fraction of a plain target step (c, as the draft's) and the analytic bound those
+    give."""
+    out: dict = {"by_batch": {}}
+    none1 = runs[("specray", "none", 1, "greedy", "static", None)]
+    for b in sorted({r.batch_size for r in runs.values()}):
+        e = runs.get(("specray", "eagle3", b, "greedy", s.policies[0], None))
+        d = runs.get(("specray", "draft", b, "greedy", s.policies[0], None))
+        if e is None:
+            continue
+        row = {"acceptance_rate": e.acceptance_rate, "mean_accepted_length": e.mean_accepted_length,
+               "tokens_per_s": e.tokens_per_s}
+        if d is not None:
+            row.update(draft_mean_accepted_length=d.mean_accepted_length, draft_tokens_per_s=d.tokens_per_s,
+                       tokens_per_s_over_draft=within_repeats(e.samples, d.samples))
+        out["by_batch"][b] = row
+    if phase.get("eagle3_s") and phase["verify_none_s"]:
+        e1 = runs[("specray", "eagle3", 1, "greedy", s.policies[0], None)]
+        c = statistics.median(phase["eagle3_s"]) / s.k / statistics.median(phase["verify_none_s"])
+        bound = analytic_speedup(e1.acceptance_rate or 0.0, c, s.k)
+        out.update(alpha=e1.acceptance_rate, c=c, analytic_bound=bound,
+                   measured_speedup=e1.tokens_per_s / none1.tokens_per_s)
+    if phase.get("draft_s"):
+        out["draft_c"] = statistics.median(phase["draft_s"]) / s.k / statistics.median(phase["verify_none_s"])
+    return out
 
 
 GRAPH_FIGURES = ("graph_replays", "eager_forwards", "graph_capture_failures", "worker_graphs")

@@ -14,6 +14,7 @@ from specray.workers.config import ModelConfig
 class BenchSettings:
     target: str
     draft: str | None                 # None: no draft runs (n-gram and plain decoding only)
+    head: str | None = None           # an EAGLE-3 head: eagle3 runs beside the other proposers
     k: int = SpeculationConfig.num_speculative_tokens
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     max_tokens: int = 64
@@ -50,7 +51,7 @@ class BenchSettings:
     overlap: bool = True
 
 
-SPECULATING = ("draft", "ngram", "suffix", "draft+suffix")      # the proposers held to plain decoding
+SPECULATING = ("draft", "ngram", "suffix", "draft+suffix", "eagle3")      # the proposers held to plain decoding
 
 # Step-time breakdown: name in the report -> metrics() counter; together they make up a step.
 PHASES = {"schedule": "schedule_s", "draft": "draft_compute_s", "merge": "merge_s",

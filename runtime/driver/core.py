@@ -132,7 +132,7 @@ class DriverCore(Admission, Streams, StepLoop):
         # before tokenizing it (which costs as much as the text is long); None: no bound
         # is known for this tokenizer.
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
-        if model.draft is not None:
+        if model.draft is not None and config.speculation.draft_model:    # a head is checked where it loads
             dcfg = model_loader.load_config(model.draft)
             # Vocabulary sizes may differ (padding); the token ids both score must agree.
             check_pair(model.target, model.draft, tcfg.vocab_size, dcfg.vocab_size, self.tokenizer,

@@ -91,7 +91,9 @@ def cmd_bench(args) -> int:
     sizes = tuple(int(x) for x in args.batch_sizes.split(","))
     if args.workload == "json":
         return _bench_json(args, target, draft, sizes)
-    s = BenchSettings(target=target, draft=draft, k=args.num_speculative_tokens, batch_sizes=sizes,
+    # eagle3 runs beside the others wherever a head is there: the built-in target's always.
+    head = args.head or (installed_builtin("tiny-eagle3") if args.target is None else None)
+    s = BenchSettings(target=target, draft=draft, head=head, k=args.num_speculative_tokens, batch_sizes=sizes,
                       max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                       device=args.device, dtype=args.dtype, out_dir=args.out, colocate=args.colocate,
                       rotate_prompts=args.rotate_prompts,
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="beside each draft policy's runs, the same with overlap on (its draft actors pre-draft "
                         "while the target verifies); JSON: \"overlap\" on each run")
+    b.add_argument("--head", default=None,
+                   help="an EAGLE-3 head for the target (default: tiny-eagle3 with the built-in target): eagle3 runs "
+                        "beside the other proposers")
     b.add_argument("--workload", default="text", choices=["text", "json"],
                    help="text: the comparison above; json: the same requests with a JSON-schema grammar off and "
                         "on, side by side (tokens/s, acceptance, mask time per step; docs/structured-output.md)")

@@ -106,6 +106,6 @@ def runtime_config(args, **extra) -> RuntimeConfig:
         if draft is None:
             raise ValueError("--proposer draft needs --draft")
         values["draft"] = draft
-    else:
-        values["draft"] = None
+    elif values.get("proposer") not in ("eagle3", "eagle3+suffix"):
+        values["draft"] = None      # eagle3: --draft is the head (default: tiny-eagle3 for the built-in target)
     return RuntimeConfig(**values)

@@ -26,6 +26,7 @@ from specray.runtime.config import RuntimeConfig
 from specray.runtime.transport.draft_proposer import DraftModelProposer
 from specray.runtime.transport.worker_call import LocalCall, LocalDraftCall, WorkerCall
 from specray.scheduler.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, SpeculationConfig
+from specray.scheduler.proposers.in_target import InTargetProposer
 from specray.scheduler.proposers.merged import MergedProposer
 from specray.scheduler.proposers.ngram import NgramProposer
 from specray.scheduler.proposers.proposer import NoProposer, Proposer
@@ -119,11 +120,16 @@ def _wait_all(refs: list, cancel: threading.Event, timeout: float | None = None)
 def build_proposer(spec: SpeculationConfig, draft_calls: list[WorkerCall]) -> Proposer:
     """The configured proposer, where its inputs are: the draft model on its workers
     (``draft_calls``, one rank each); prompt lookup and suffix decoding in this process,
-    the driver's (cheap host work, no hop); both merged per sequence for "draft+suffix"."""
+    the driver's (cheap host work, no hop); an EAGLE-3 head in the target worker; a model
+    and suffix decoding merged per sequence for "draft+suffix" and "eagle3+suffix"."""
     if spec.proposer == "ngram":
         return NgramProposer(spec)
     if spec.proposer == "suffix":
         return SuffixProposer(spec)
+    if spec.head:
+        # An EAGLE-3 head proposes inside its target worker's verify (``TargetWorker.head``).
+        head = InTargetProposer()
+        return MergedProposer(head, SuffixProposer(spec)) if spec.suffix else head
     if not spec.draft_model:
         return NoProposer()
     drafts = DraftModelProposer(draft_calls, predraft=spec.overlap)
@@ -145,7 +151,8 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
                 groups.append(_target_group(cfg, cfg.cache, allocate=False))
                 targets.append(groups[-1].worker)
             else:
-                targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False))
+                targets.append(TargetWorker(worker_model(cfg, "target"), cfg.cache, allocate=False,
+                                            head=_head(cfg)))
         if cfg.speculation.draft_model:
             for _ in range(cluster.num_draft_workers):
                 _check(cancel)
@@ -173,6 +180,13 @@ def _start_local(cfg: RuntimeConfig, cancel: threading.Event) -> WorkerPool:
     d_blocks = [d.num_blocks() for d in drafts] if drafts else None
     return WorkerPool(verifiers, build_proposer(cfg.speculation, calls), [t.num_blocks() for t in targets],
                       d_blocks, draft_calls=calls, local_workers=workers)
+
+
+def _head(cfg: RuntimeConfig) -> str | None:
+    """The EAGLE-3 head a target worker runs (``proposer="eagle3"``), else None."""
+    return cfg.model.draft if cfg.speculation.head else None
+
+
 
 
 def worker_model(cfg: RuntimeConfig, kind: str) -> ModelConfig:
@@ -302,7 +316,7 @@ def _host_target(cfg: RuntimeConfig, gpu: bool, cancel: threading.Event):
 
     _check(cancel)
     part = _gpu_part(cfg.cluster.target_resources) if gpu else 0
-    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part))
+    return TargetWorker(worker_model(cfg, "target"), worker_cache(cfg.cache, part), head=_head(cfg))
 
 
 def _target_group(cfg: RuntimeConfig, cache: CacheConfig, allocate: bool = True):
