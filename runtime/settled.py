@@ -12,6 +12,8 @@ and handed on whole. Every part reads the settled configuration; none decides ag
 - ``draft_max_model_len``: the draft model's, within ``max_model_len`` (it serves the
   target's sequences); past it a sequence decodes without proposals. None with an
   EAGLE-3 head: it drafts at the target's positions, over the target's window.
+- ``enable_prefix_caching``: off with an EAGLE-3 head (its KV rows depend on the next
+  token, in blocks it shares with the target).
 - ``tensor_parallel_size``, ``draft_tensor_parallel_size``: checked against the model's
   heads, KV heads and MLP once its config can be read; a split the layers do not allow is
   refused before anything starts.
@@ -51,4 +53,9 @@ def settle(config: RuntimeConfig) -> RuntimeConfig:
         tp = getattr(config.cluster, name)
         if tp > 1 and path:
             check_split(SimpleNamespace(**read_config(path)), tp, name)
-    return config.replace(model=model, speculation=spec)
+    cache = config.cache
+    if spec.head and cache.enable_prefix_caching:
+        # An EAGLE-3 head keeps its KV in the target's blocks, and its row at a position
+        # carries the token after it: a block two sequences share cannot hold both rows.
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    return config.replace(model=model, speculation=spec, cache=cache)

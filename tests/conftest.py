@@ -112,18 +112,3 @@ def ray_head():
     yield f"127.0.0.1:{port}", url, client_env
     stop_ray_head(proc, tmp)
     log.close()
-
-
-def pytest_configure(config):
-    # Known without the xdist plugin too (``-p no:xdist``).
-    config.addinivalue_line("markers", "xdist_group(name): run with the rest of its group on one xdist worker")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (``scripts/test``): a module's tests stay on
-    one worker, so its module-scoped runtimes and servers start once; every test of the
-    real head node (``ray_head``, a session fixture) shares one worker, so one head starts.
-    Each worker has its own private Ray."""
-    for item in items:
-        group = "ray_head" if "ray_head" in getattr(item, "fixturenames", ()) else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
