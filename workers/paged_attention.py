@@ -49,6 +49,9 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     prefill: bool                  # nothing cached: the step's own K/V are the whole context
+    # Set where padding every sequence to the longest query would cost more than half
+    # again the attention's rows: each part attends on its own (its packed rows, its metadata).
+    parts: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
     _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -105,9 +108,28 @@ def block_rows(block_tables: list[list[int]], width: int) -> list[int]:
     return blocks
 
 
+def attention_parts(num_new: list[int]) -> list[list[int]]:
+    """Sequences grouped so that each group's padded query rows (its size times its longest
+    query) are at most 1.5 times its real rows, longest queries first: one long prompt chunk
+    among decoding sequences would otherwise pad every one of them to the chunk's length
+    (and to its context's width)."""
+    order = sorted(range(len(num_new)), key=lambda i: -num_new[i])
+    parts: list[list[int]] = []
+    for i in order:
+        if parts:
+            part = parts[-1]
+            qmax, real = num_new[part[0]], sum(num_new[j] for j in part)
+            if 2 * (len(part) + 1) * qmax <= 3 * (real + num_new[i]):
+                part.append(i)
+                continue
+        parts.append([i])
+    return [sorted(part) for part in parts]
+
+
 def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
-                   block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Host-side construction of one forward's metadata; returns it and positions [T]."""
+                   block_size: int, device: torch.device, split: bool = True) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Host-side construction of one forward's metadata; returns it and positions [T].
+    ``split=False``: one padded batch, never ``parts`` (a part's own metadata is built so)."""
     n = len(num_new)
     qmax = max(num_new)
     width = blocks_needed(max(c + q for c, q in zip(num_computed, num_new)), block_size)
@@ -135,6 +157,17 @@ def build_metadata(kv_caches, block_tables: list[list[int]], num_computed: list[
         q_src_t = q_index_t = None
     meta = AttentionMetadata(kv_caches, block_size, slots, block_index, q_pos, q_src_t, q_index_t,
                              n, qmax, prefill=not any(num_computed))
+    groups = attention_parts(num_new) if split and ragged else []
+    if len(groups) > 1:
+        starts = [0]
+        for q in num_new:
+            starts.append(starts[-1] + q)
+        meta.parts = []
+        for g in groups:
+            rows = to_device([r for i in g for r in range(starts[i], starts[i + 1])], device)
+            sub, _ = build_metadata(kv_caches, [block_tables[i] for i in g], [num_computed[i] for i in g],
+                                    [num_new[i] for i in g], block_size, device, split=False)
+            meta.parts.append((rows, sub))
     return meta, positions
 
 
@@ -184,6 +217,13 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     ``write`` is False (the caller has written them)."""
     if write:
         write_kv(layer, k, v, meta)
+    if meta.parts is not None:
+        out = q.new_empty(q.shape)
+        for rows, sub in meta.parts:
+            part = attend(layer, q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), sub,
+                          scaling, sliding_window, write=False)
+            out.index_copy_(0, rows, part)
+        return out
     k_cache, v_cache = meta.kv_caches[layer]
 
     n, qmax = meta.num_seqs, meta.max_query_len

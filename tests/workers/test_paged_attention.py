@@ -15,7 +15,7 @@ import pytest
 import torch
 from specray_testing import model_runner
 
-from specray.workers.paged_attention import build_metadata, paged_attention
+from specray.workers.paged_attention import attention_parts, build_metadata, paged_attention
 
 VOCAB = 96
 BLOCK = 4
@@ -155,15 +155,32 @@ def test_kv_cache_apply_refuses_inconsistent_plans(model_dirs, plan_builder):
         runner.check_tokens(plan_builder([9], [0], [2], [1, VOCAB], [2]))
 
 
+def test_attention_parts_bound_the_padding_and_cover_every_sequence_once():
+    # A prompt chunk among decoding sequences attends apart from them.
+    assert attention_parts([5, 5, 256, 5]) == [[2], [0, 1, 3]]
+    assert attention_parts([3, 3, 3]) == [[0, 1, 2]]
+    assert attention_parts([5, 5, 3, 5, 2]) == [[0, 1, 2, 3, 4]]         # adaptive k: one batch
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        num_new = torch.randint(1, 40, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        parts = attention_parts(num_new)
+        assert sorted(i for part in parts for i in part) == list(range(len(num_new)))
+        for part in parts:
+            assert 2 * len(part) * max(num_new[i] for i in part) <= 3 * sum(num_new[i] for i in part)
+
+
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("num_computed, num_new", [
     ([0, 7, 12, 3, 9], [6, 1, 1, 4, 1]),      # prefill, decode and verify rows together (ragged)
+    ([0, 7, 12, 3, 9], [16, 1, 1, 4, 1]),     # a longer prefill: it attends apart
     ([5, 0, 10], [3, 3, 3]),                  # every sequence feeds as many tokens
     ([0, 0, 0], [6, 2, 7]),                   # nothing cached
 ])
-def test_paged_attention_matches_per_sequence_reference(num_computed, num_new, window):
+def test_paged_attention_matches_per_sequence_reference(num_computed, num_new, window, split):
     """paged_attention + build_metadata on random inputs against plain softmax attention over
-    each sequence's own contiguous K/V: shuffled blocks, stale slots, GQA."""
+    each sequence's own contiguous K/V: shuffled blocks, stale slots, GQA; a ragged batch
+    attends in parts (``split``) or as one padded batch, with the same result."""
     g = torch.Generator().manual_seed(len(num_new) + (window or 0))
     heads, kvh, d, bs, num_blocks, layer = 4, 2, 8, 4, 24, 1
     scale = d ** -0.5
@@ -194,7 +211,8 @@ def test_paged_attention_matches_per_sequence_reference(num_computed, num_new, w
     def new(xs):
         return [x[c:] for x, c in zip(xs, num_computed)]
 
-    meta, positions = build_metadata(kv, tables, num_computed, num_new, bs, torch.device("cpu"))
+    meta, positions = build_metadata(kv, tables, num_computed, num_new, bs, torch.device("cpu"), split=split)
+    assert (meta.parts is not None) == (split and len(attention_parts(num_new)) > 1 and len(set(num_new)) > 1)
     assert positions.tolist() == [p for c, q in zip(num_computed, num_new) for p in range(c, c + q)]
     out, _ = paged_attention(types.SimpleNamespace(layer_idx=layer), packed(qs), packed(new(ks)), packed(new(vs)), None,
                              scaling=scale, specray_meta=meta, sliding_window=window)
