@@ -222,6 +222,8 @@ def long_main(args, tok, target, draft) -> list[dict]:
         results.append(dict(max_num_batched_tokens=budget, runs=runs))
         print(f"long prompt ({args.long_tokens} tokens) among 8 streams, max_num_batched_tokens={budget}: itl "
               f"{med['itl_p50_ms']:.2f}/{med['itl_p99_ms']:.2f} ms (p99/p50 {med['itl_p99_over_p50']:.2f}), "
+              f"stalls {med['stall_p50_ms']:.1f}/{med['stall_p99_ms']:.1f} ms (p99/p50 "
+              f"{med['stall_p99_over_p50']:.2f}, max {med['stall_max_ms']:.0f}), "
               f"long TTFT {med['long_ttft_ms']:.0f} ms", flush=True)
     return results
 

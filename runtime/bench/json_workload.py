@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from specray.runtime.bench.stats import within_repeats
+
 SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 8, "maxItems": 8, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                      "id": {"type": "integer", "minimum": 0, "maximum": 99999},
@@ -95,8 +97,12 @@ def run_json_bench(config, batch_sizes, max_tokens: int, repeats: int, temperatu
         rows.append(r)
     ratios = {f"{b}/{m}": runs[(b, m, True)].tokens_per_s / runs[(b, m, False)].tokens_per_s
               for (b, m, g) in runs if g and runs[(b, m, False)].tokens_per_s}
+    # Each repeat ran on and off back to back: their ratio per repeat, with its interval.
+    paired = {f"{b}/{m}": within_repeats(runs[(b, m, True)].samples, runs[(b, m, False)].samples)
+              for (b, m, g) in runs if g}
     return {"schema": SCHEMA, "max_tokens": max_tokens, "repeats": repeats, "temperature": temperature,
-            "runs": [asdict(r) for r in rows], "tokens_per_s_ratio_on_off": ratios}
+            "runs": [asdict(r) for r in rows], "tokens_per_s_ratio_on_off": ratios,
+            "tokens_per_s_ratio_within_repeats": paired}
 
 
 def _account(r: JsonRun, before: dict, after: dict, outs) -> None:
@@ -122,6 +128,10 @@ def format_json_table(result: dict) -> str:
                      f"{r['mask_ms_per_step']:12.3f} {r['finished_stop']:>4}/{r['answers']:<4}")
     ratios = result["tokens_per_s_ratio_on_off"]
     lines.append("tokens/s on / off: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    for k, q in result.get("tokens_per_s_ratio_within_repeats", {}).items():
+        if q and q["ci95"]:
+            lines.append(f"  {k} within repeats: geomean {q['geomean']:.2f} (95 % {q['ci95'][0]:.2f}-"
+                         f"{q['ci95'][1]:.2f})")
     return "\n".join(lines)
 
 
