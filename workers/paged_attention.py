@@ -17,7 +17,10 @@ Layout, block_size = 4, two sequences (s0: 5 cached + 2 new, s1: 0 cached + 3 ne
 
 Each layer writes the new K/V into the cache, gathers every sequence's whole blocks into
 a padded ``[n, W * block_size]`` context and runs one masked SDPA for the whole batch
-(a batch with nothing cached attends over its own K/V instead). Grouped-query attention
+(a batch with nothing cached attends over its own K/V instead). A ragged batch whose
+padding would cost more than half again its query rows (a prompt chunk among decoding
+sequences) attends in parts, each padded to its own longest query and widest context
+(``attention_parts``); the K/V writes and every other layer stay packed. Grouped-query attention
 with a mask folds each KV head's query heads into one longer query, so no K/V is copied and
 SDPA's fused kernels apply (see ``attend``).
 """
