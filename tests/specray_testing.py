@@ -272,3 +272,32 @@ def break_steps_of(call, when=lambda plan: MARK in plan.top_k) -> list[int]:
 
     call.submit = faulty
     return raised
+
+
+def kill_mid_stream(rt, victim: int, prompts: list[list[int]], params) -> list[list[int]]:
+    """Stream ``prompts[0]`` and generate the rest beside it; SIGKILL ``victim`` (a pid) as
+    soon as the stream yields its first tokens, with the batch in flight. Every request's
+    tokens, the streamed one first."""
+    import signal
+    import threading
+
+    batch: list = []
+    failed: list[BaseException] = []
+
+    def rest():
+        try:
+            batch.extend(rt.generate(prompts[1:], params))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            failed.append(e)
+
+    others = threading.Thread(target=rest)
+    others.start()
+    streamed: list[int] = []
+    for delta in rt.stream(prompts[0], params):
+        if not streamed and delta.token_ids:
+            os.kill(victim, signal.SIGKILL)
+        streamed += delta.token_ids
+    others.join(timeout=300)
+    if failed:
+        raise failed[0]
+    return [streamed] + [o.token_ids for o in batch]

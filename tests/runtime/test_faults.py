@@ -5,15 +5,12 @@ worker are requeued with their tokens and recomputed on the restarted one."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 import torch
 from ray._private.state import actors
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, kill_mid_stream
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
@@ -41,27 +38,7 @@ def start_runtime(llama_pair, **kw) -> SpecRuntime:
 
 
 def kill_mid_generation(rt: SpecRuntime, victim: int) -> list[list[int]]:
-    """Stream one request and generate the rest alongside; SIGKILL ``victim`` as soon as
-    the stream yields its first tokens. Returns every request's tokens."""
-    batch: list = []
-    failed: list[BaseException] = []
-
-    def generate_rest():
-        try:
-            batch.extend(rt.generate(PROMPTS[1:], SamplingParams(max_tokens=160, temperature=0.0)))
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
-            failed.append(e)
-    others = threading.Thread(target=generate_rest)
-    others.start()
-    streamed: list[int] = []
-    for delta in rt.stream(PROMPTS[0], SamplingParams(max_tokens=160, temperature=0.0)):
-        if not streamed and delta.token_ids:
-            os.kill(victim, signal.SIGKILL)     # mid-generation, with the batch in flight
-        streamed += delta.token_ids
-    others.join(timeout=300)
-    if failed:
-        raise failed[0]
-    return [streamed] + [o.token_ids for o in batch]
+    return kill_mid_stream(rt, victim, PROMPTS, SamplingParams(max_tokens=160, temperature=0.0))
 
 
 def test_sigkill_of_the_draft_worker_changes_no_output(ray_session, llama_pair, expected):

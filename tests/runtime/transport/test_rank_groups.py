@@ -8,15 +8,12 @@ its sequences recompute); refusals of splits the model does not divide."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 import torch
 from ray._private.state import actors
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, kill_mid_stream
 
 from specray import RuntimeConfig, SamplingParams, SpecRuntime
 
@@ -59,26 +56,7 @@ def test_dp2_x_tp2_with_a_draft_actor_equals_transformers(runtime, expected):
 
 def test_sigkill_of_a_rank_mid_stream_loses_nothing(runtime, expected):
     (victim, *_) = alive_pids("TargetRankActor")
-    batch: list = []
-    failed: list[BaseException] = []
-
-    def rest():
-        try:
-            batch.extend(runtime.generate(PROMPTS[1:], greedy()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            failed.append(e)
-
-    others = threading.Thread(target=rest)
-    others.start()
-    streamed: list[int] = []
-    for delta in runtime.stream(PROMPTS[0], greedy()):
-        if not streamed and delta.token_ids:
-            os.kill(victim, signal.SIGKILL)
-        streamed += delta.token_ids
-    others.join(timeout=300)
-    if failed:
-        raise failed[0]
-    assert [streamed] + [o.token_ids for o in batch] == expected
+    assert kill_mid_stream(runtime, victim, PROMPTS, greedy()) == expected
     assert runtime.metrics()["num_target_worker_failures"] >= 1
     # The group formed again (a new rank actor) and serves.
     deadline = time.time() + 60
@@ -102,31 +80,6 @@ def test_colocated_tp2_equals_transformers(ray_module, llama_pair, expected):
         rt.shutdown()
 
 
-def kill_mid_stream(rt, victim: int) -> list[list[int]]:
-    """Stream the first prompt and generate the others beside it; SIGKILL ``victim`` once
-    the stream has its first tokens. Every request's tokens."""
-    batch: list = []
-    failed: list[BaseException] = []
-
-    def rest():
-        try:
-            batch.extend(rt.generate(PROMPTS[1:], greedy()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            failed.append(e)
-
-    others = threading.Thread(target=rest)
-    others.start()
-    streamed: list[int] = []
-    for delta in rt.stream(PROMPTS[0], greedy()):
-        if not streamed and delta.token_ids:
-            os.kill(victim, signal.SIGKILL)
-        streamed += delta.token_ids
-    others.join(timeout=300)
-    if failed:
-        raise failed[0]
-    return [streamed] + [o.token_ids for o in batch]
-
-
 def test_a_tp2_draft_proposes_and_survives_a_rank_death(ray_module, llama_pair, expected):
     """draft_tensor_parallel_size=2: the draft actor is rank 0 and starts its other rank.
     A SIGKILLed draft rank takes the draft actor down; Ray restarts it with a new rank, the
@@ -138,7 +91,7 @@ def test_a_tp2_draft_proposes_and_survives_a_rank_death(ray_module, llama_pair, 
         m = rt.metrics()
         assert m["layout"] == "actors" and m["draft_tensor_parallel_size"] == 2
         (victim,) = alive_pids("DraftRankActor")
-        assert kill_mid_stream(rt, victim) == expected
+        assert kill_mid_stream(rt, victim, PROMPTS, greedy()) == expected
         assert rt.metrics()["num_draft_worker_failures"] >= 1
         deadline = time.time() + 90
         while not (alive_pids("DraftRankActor") and victim not in alive_pids("DraftRankActor")):
