@@ -301,3 +301,20 @@ def kill_mid_stream(rt, victim: int, prompts: list[list[int]], params) -> list[l
     if failed:
         raise failed[0]
     return [streamed] + [o.token_ids for o in batch]
+
+
+def poll_stream(drv, prompt, params, resume=None, upto=None) -> tuple[list, int]:
+    """One request submitted to a ``DriverCore`` and its deltas polled (all, or until
+    ``upto`` tokens, then aborted); returns them and the request's seed."""
+    reply = drv.submit([prompt], [params], [resume] if resume else None)
+    assert reply.error is None, reply.error
+    (rid,) = reply.request_ids
+    deltas = []
+    while not deltas or not deltas[-1].finished:
+        d = drv.poll(rid, timeout=30)
+        if d is not None:
+            deltas.append(d)
+        if upto is not None and sum(len(x.token_ids) for x in deltas) >= upto:
+            drv.abort([rid])
+            break
+    return deltas, reply.seeds[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eagle3_reference import head_config, save_head, train_head
-from specray_testing import hf_greedy
+from specray_testing import hf_greedy, poll_stream
 
 from specray.runtime.config import RuntimeConfig
 from specray.runtime.driver.core import DriverCore
@@ -99,36 +99,20 @@ def test_eagle3_needs_a_head_and_one_target_worker(pair):
         RuntimeConfig(target=target, draft=head, proposer="ngram")
 
 
-def stream(drv, prompt, params, resume=None, upto=None):
-    """One request's deltas (all, or until ``upto`` tokens, then aborted) and its seed."""
-    reply = drv.submit([prompt], [params], [resume] if resume else None)
-    assert reply.error is None, reply.error
-    (rid,) = reply.request_ids
-    deltas = []
-    while not deltas or not deltas[-1].finished:
-        d = drv.poll(rid, timeout=30)
-        if d is not None:
-            deltas.append(d)
-        if upto is not None and sum(len(x.token_ids) for x in deltas) >= upto:
-            drv.abort([rid])
-            break
-    return deltas, reply.seeds[0]
-
-
 def test_a_request_cut_mid_stream_resumes_on_a_fresh_driver_with_the_same_tokens(driver, pair):
     """A driver's fail-over, in process: the client's state handed to a new driver, whose
     target and head recompute the request's cache (the head from the target's states)."""
     prompt = pair[2][1, :8].tolist()
     params = SamplingParams(max_tokens=24, temperature=0.9, seed=4)
-    full, seed = stream(driver, prompt, params)
-    cut, _ = stream(driver, prompt, params, upto=8)
+    full, seed = poll_stream(driver, prompt, params)
+    cut, _ = poll_stream(driver, prompt, params, upto=8)
     t = Tracked("x", "x", prompt, with_seed(params, seed))
     for d in cut:
         t.add_delta(d)
     again, p, resume = t.resubmission()
     fresh = DriverCore(config(pair))
     try:
-        rest, _ = stream(fresh, again, p, resume)
+        rest, _ = poll_stream(fresh, again, p, resume)
         drafted = fresh.metrics()["num_draft_tokens"]
     finally:
         fresh.shutdown()

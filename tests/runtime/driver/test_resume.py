@@ -7,6 +7,7 @@ string across the resume point, logprobs, seeds drawn by the driver."""
 from __future__ import annotations
 
 import pytest
+from specray_testing import poll_stream
 
 import specray
 from specray import RuntimeConfig, SamplingParams
@@ -83,22 +84,6 @@ def driver(cfg):
     drv.shutdown()
 
 
-def stream(drv, prompt, params, resume=None, upto=None) -> tuple[list[RequestOutput], int]:
-    """Poll one request's deltas (all, or until ``upto`` tokens); returns them and its seed."""
-    reply = drv.submit([prompt], [params], [resume] if resume else None)
-    assert reply.error is None, reply.error
-    (rid,) = reply.request_ids
-    deltas = []
-    while not deltas or not deltas[-1].finished:
-        d = drv.poll(rid, timeout=30)
-        if d is not None:
-            deltas.append(d)
-        if upto is not None and sum(len(x.token_ids) for x in deltas) >= upto:
-            drv.abort([rid])
-            break
-    return deltas, reply.seeds[0]
-
-
 def tracked(prompt, params, seed, deltas) -> Tracked:
     t = Tracked("x", "x", prompt, with_seed(params, seed))
     for d in deltas:
@@ -115,15 +100,15 @@ def test_a_sampled_stream_cut_at_a_step_resumes_on_a_new_driver_exactly(cfg, dri
     """Unseeded: the driver's seed comes back in the submit reply. The resumed request's
     steps propose at the same positions, so even the draft/accepted counts match."""
     params = SamplingParams(max_tokens=48, temperature=0.9, logprobs=1)
-    full, seed = stream(driver, "def fibonacci(n):", params)
+    full, seed = poll_stream(driver, "def fibonacci(n):", params)
     same_seed = SamplingParams(max_tokens=48, temperature=0.9, logprobs=1, seed=seed)
-    assert whole(stream(driver, "def fibonacci(n):", same_seed)[0]) == whole(full)
-    cut, _ = stream(driver, "def fibonacci(n):", same_seed, upto=10)
+    assert whole(poll_stream(driver, "def fibonacci(n):", same_seed)[0]) == whole(full)
+    cut, _ = poll_stream(driver, "def fibonacci(n):", same_seed, upto=10)
     t = tracked("def fibonacci(n):", params, seed, cut)
     prompt, p, resume = t.resubmission()
     fresh = DriverCore(cfg.replace(layout="colocated"))         # the restarted driver
     try:
-        rest, _ = stream(fresh, prompt, p, resume)
+        rest, _ = poll_stream(fresh, prompt, p, resume)
     finally:
         fresh.shutdown()
     assert whole(cut + rest) == whole(full)
@@ -140,13 +125,13 @@ def test_greedy_resumes_from_any_token_with_held_back_stop_tails(driver):
     a stop string held back), and the rest arrives with nothing lost or repeated, the stop
     string matched across the cut, max_tokens counted from the original prompt."""
     prompt = "from os import"
-    probe, _ = stream(driver, prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    probe, _ = poll_stream(driver, prompt, SamplingParams(max_tokens=40, temperature=0.0))
     text = "".join(d.text for d in probe)
     # A string the output holds from its 15th character or later, first there: it ends there.
     at = next(k for k in range(15, len(text) - 3) if text.find(text[k:k + 3]) == k)
     stop = text[at:at + 3]
     params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], logprobs=0, seed=3)
-    full, _ = stream(driver, prompt, params)
+    full, _ = poll_stream(driver, prompt, params)
     tokens, want_text = whole(full)[:2]
     assert whole(full)[2] == "stop" and want_text == text[:at]
     tok = driver.tokenizer
@@ -157,7 +142,7 @@ def test_greedy_resumes_from_any_token_with_held_back_stop_tails(driver):
         sent = sent[:len(sent) - held_back(sent, [stop])]
         resume = Resume(list(full[0].prompt_token_ids), tokens[:cut], [lp for d in full for lp in d.logprobs][:cut],
                         text_len=len(sent))
-        rest, _ = stream(driver, list(full[0].prompt_token_ids), params, resume)
+        rest, _ = poll_stream(driver, list(full[0].prompt_token_ids), params, resume)
         got = tokens[:cut] + [t for d in rest for t in d.token_ids]
         assert (got, sent + "".join(d.text for d in rest), rest[-1].finish_reason) == (tokens, want_text, "stop")
         assert sum(len(d.logprobs) for d in rest) == len(tokens) - cut
@@ -166,8 +151,8 @@ def test_greedy_resumes_from_any_token_with_held_back_stop_tails(driver):
 
 def test_max_tokens_counts_what_was_emitted_before_the_resume(driver):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=1)
-    full, _ = stream(driver, [103, 104, 105], params)
+    full, _ = poll_stream(driver, [103, 104, 105], params)
     tokens = whole(full)[0]
     assert len(tokens) == 12
-    rest, _ = stream(driver, [103, 104, 105], params, Resume([103, 104, 105], tokens[:5], None))
+    rest, _ = poll_stream(driver, [103, 104, 105], params, Resume([103, 104, 105], tokens[:5], None))
     assert tokens[:5] + whole(rest)[0] == tokens and rest[-1].finish_reason == "length"
