@@ -228,6 +228,12 @@ def long_main(args, tok, target, draft) -> list[dict]:
     return results
 
 
+def write_results(args, results: list[dict], load: list | None = None) -> None:
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(results=results, load=load, args=vars(args)), f, indent=1)
+
+
 def model_path(name: str) -> str:
     """A model directory, or the name of a model ``specray models fetch`` stored."""
     from specray.runtime import model_store
@@ -346,10 +352,7 @@ def main():
     if args.proposer is None:
         args.proposer = "draft" if args.workload == "text" and args.target is None else "ngram"
     if args.workload == "json":
-        results = json_workload(args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(results=results, args=vars(args)), f, indent=1)
+        write_results(args, json_workload(args))
         return
     import ray
     from transformers import AutoTokenizer
@@ -361,33 +364,22 @@ def main():
 
     load = [os.getloadavg()]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    if args.prompts == "long":
+    if args.prompts in ("long", "chat"):
         target = model_path(args.target) if args.target else builtin_model("tiny-target")
         draft = None if args.proposer not in ("draft", "draft+suffix") else (
             model_path(args.draft) if args.draft else builtin_model("tiny-draft"))
+        tok = AutoTokenizer.from_pretrained(target)
         try:
-            results = long_main(args, AutoTokenizer.from_pretrained(target), target, draft)
-        finally:
-            ray.shutdown()
-        print("load", load + [os.getloadavg()])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(results=results, args=vars(args)), f, indent=1)
-        return
-    if args.prompts == "chat":
-        target = model_path(args.target) if args.target else builtin_model("tiny-target")
-        draft = None if args.proposer not in ("draft", "draft+suffix") else (
-            model_path(args.draft) if args.draft else builtin_model("tiny-draft"))
-        levels = [("concurrency", int(c)) for c in args.concurrency.split(",") if c]
-        try:
-            results = chat_main(args, levels, AutoTokenizer.from_pretrained(target), target, draft, args.proposer)
+            if args.prompts == "long":
+                results = long_main(args, tok, target, draft)
+            else:
+                levels = [("concurrency", int(c)) for c in args.concurrency.split(",") if c]
+                results = chat_main(args, levels, tok, target, draft, args.proposer)
         finally:
             ray.shutdown()
         load.append(os.getloadavg())
         print("load", load)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(results=results, load=load, args=vars(args)), f, indent=1)
+        write_results(args, results, load)
         return
     target = builtin_model("tiny-target")
     rt = SpecRuntime(RuntimeConfig(target=target, draft=builtin_model("tiny-draft"), num_speculative_tokens=args.k,
@@ -435,9 +427,7 @@ def main():
         ray.shutdown()
     load.append(os.getloadavg())
     print("load", load)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(results=results, load=load, args=vars(args)), f, indent=1)
+    write_results(args, results, load)
 
 
 if __name__ == "__main__":
