@@ -221,8 +221,10 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(args.seed)
 
     def windows(text: str, n: int) -> list[str]:
+        # Each window has room for prompt_len tokens of a BPE tokenizer too (code runs to
+        # 4-6 characters a token); it is cut to prompt_len tokens when tokenized.
         starts = torch.randint(0, len(text) - 4 * args.prompt_len, (n,), generator=g).tolist()
-        return [text[s:s + 4 * args.prompt_len] for s in starts]
+        return [text[s:s + 16 * args.prompt_len] for s in starts]
 
     seqs = generate(target, tok, windows(train_text, args.num_prompts), args.prompt_len, args.gen_len,
                     args.greedy_share, args.temperature, 32, args.seed)
