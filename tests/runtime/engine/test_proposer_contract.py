@@ -79,10 +79,24 @@ class OwnProposer(Proposer):
         return rank == 0 or self.down_since is None or self.h.tick >= self.down_since + 3
 
 
+def count_positions(plan, result, proposed: list[int], accepted: list[int]) -> None:
+    """Adds one verify step to the per-position counts: position j was proposed where the
+    plan carried a j-th proposal, and accepted where the first j proposals equal the first
+    j tokens emitted."""
+    pos = 0
+    for i in range(len(result.seq_ids)):
+        n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
+        props = plan.proposal_token_ids[i * plan.width:i * plan.width + n]
+        emitted = result.token_ids[pos:pos + result.num_emitted[i]]
+        pos += result.num_emitted[i]
+        for j in range(n):
+            proposed[j] += 1
+            accepted[j] += props[:j + 1] == emitted[:j + 1]
+
+
 class PositionCounts:
     """Per draft position, what the fake target verified and kept, counted from the
-    tokens: position j was proposed where the plan carried a j-th proposal, and accepted
-    where the first j proposals equal the first j tokens emitted."""
+    tokens (``count_positions``)."""
 
     def __init__(self, eng: Harness, k: int) -> None:
         self.proposed, self.accepted = [0] * k, [0] * k
@@ -90,15 +104,7 @@ class PositionCounts:
 
         def counted(r, plan, probs):
             result = verify(r, plan, probs)
-            pos = 0
-            for i in range(len(result.seq_ids)):
-                n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-                props = plan.proposal_token_ids[i * plan.width:i * plan.width + n]
-                emitted = result.token_ids[pos:pos + result.num_emitted[i]]
-                pos += result.num_emitted[i]
-                for j in range(n):
-                    self.proposed[j] += 1
-                    self.accepted[j] += props[:j + 1] == emitted[:j + 1]
+            count_positions(plan, result, self.proposed, self.accepted)
             return result
         eng.verify = counted
 
@@ -173,15 +179,7 @@ def test_acceptance_by_position_of_the_real_proposers(llama_pair, proposer):
 
         def counted(plan, probs):
             result = verify(plan, probs)
-            pos = 0
-            for i in range(len(result.seq_ids)):
-                n = plan.proposal_lens[i] if plan.proposal_token_ids else 0
-                props = plan.proposal_token_ids[i * plan.width:i * plan.width + n]
-                emitted = result.token_ids[pos:pos + result.num_emitted[i]]
-                pos += result.num_emitted[i]
-                for j in range(n):
-                    proposed[j] += 1
-                    accepted[j] += props[:j + 1] == emitted[:j + 1]
+            count_positions(plan, result, proposed, accepted)
             return result
         call.fn = counted
         prompts = [[5, 6, 7, 5, 6, 7], [8, 9, 10, 11], [1, 2, 1, 2, 1]] * 2     # repeats: suffix proposes
