@@ -88,6 +88,25 @@ def layouts(device: str) -> list[tuple[str, dict, str]]:
             for p in (every if device == "cuda" or name == "co-located" else ("draft",))]
 
 
+def timed_greedy(cfg, prompts: list[list[int]], tokens: int, expected: list[list[int]], item: dict) -> dict:
+    """Greedy ``prompts`` on a runtime of ``cfg``: fills ``item`` with exactness against
+    ``expected``, tokens/s and acceptance; returns the runtime's metrics."""
+    from specray import SamplingParams, SpecRuntime
+
+    rt = SpecRuntime(cfg)
+    try:
+        t1 = time.perf_counter()
+        outs = rt.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
+        dt = time.perf_counter() - t1
+        m = rt.metrics()
+    finally:
+        rt.shutdown()
+    got = [o.token_ids for o in outs]
+    item.update(exact=got == expected, tokens_per_s=round(sum(map(len, got)) / dt, 1),
+                acceptance_rate=m["acceptance_rate"])
+    return m
+
+
 def graph_counters(m: dict) -> dict:
     from specray.runtime.bench.run import graph_figures
 
@@ -97,7 +116,7 @@ def graph_counters(m: dict) -> dict:
 def part_exactness(args, prog: Progress) -> None:
     import ray
 
-    from specray import RuntimeConfig, SamplingParams, SpecRuntime
+    from specray import RuntimeConfig
     from specray.runtime.model_store import builtin_model
 
     prompts, window = prompts_and_window(8, args.tokens)
@@ -111,17 +130,8 @@ def part_exactness(args, prog: Progress) -> None:
             cfg = RuntimeConfig(target=target, draft=draft if proposer == "draft" else None, proposer=proposer,
                                 device=args.device, dtype="float32", max_model_len=window, max_num_seqs=16,
                                 placement_timeout_s=60, **layout)
-            rt = SpecRuntime(cfg)
-            try:
-                t1 = time.perf_counter()
-                outs = rt.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0))
-                dt = time.perf_counter() - t1
-                m = rt.metrics()
-            finally:
-                rt.shutdown()
-            got = [o.token_ids for o in outs]
-            item.update(exact=got == expected, tokens_per_s=round(sum(map(len, got)) / dt, 1),
-                        acceptance_rate=m["acceptance_rate"], graphs=graph_counters(m))
+            m = timed_greedy(cfg, prompts, args.tokens, expected, item)
+            item.update(graphs=graph_counters(m))
         except Exception as e:  # noqa: BLE001 - one layout failing must not stop the others
             item["error"] = f"{type(e).__name__}: {e}"[:500]
         item["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -193,8 +203,8 @@ def part_tensor_parallel(args, prog: Progress) -> None:
     import ray
     import torch
 
-    from specray import RuntimeConfig, SamplingParams, SpecRuntime
-    from specray.runtime.entrypoints.cli_args import builtin_model
+    from specray import RuntimeConfig
+    from specray.runtime.model_store import builtin_model
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     if gpus < 2:
@@ -209,20 +219,11 @@ def part_tensor_parallel(args, prog: Progress) -> None:
         item = {"proposer": proposer, "tensor_parallel_size": 2}
         t0 = time.perf_counter()
         try:
-            rt = SpecRuntime(RuntimeConfig(target=target, draft=draft if proposer == "draft" else None,
-                                           proposer=proposer, device="cuda", dtype="float32", layout="colocated",
-                                           tensor_parallel_size=2, max_model_len=window, max_num_seqs=16,
-                                           placement_timeout_s=60))
-            try:
-                t1 = time.perf_counter()
-                outs = rt.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0))
-                dt = time.perf_counter() - t1
-                m = rt.metrics()
-            finally:
-                rt.shutdown()
-            got = [o.token_ids for o in outs]
-            item.update(exact=got == expected, tokens_per_s=round(sum(map(len, got)) / dt, 1),
-                        acceptance_rate=m["acceptance_rate"], reported_tp=m["tensor_parallel_size"])
+            cfg = RuntimeConfig(target=target, draft=draft if proposer == "draft" else None, proposer=proposer,
+                                device="cuda", dtype="float32", layout="colocated", tensor_parallel_size=2,
+                                max_model_len=window, max_num_seqs=16, placement_timeout_s=60)
+            m = timed_greedy(cfg, prompts, args.tokens, expected, item)
+            item.update(reported_tp=m["tensor_parallel_size"])
         except Exception as e:  # noqa: BLE001 - recorded; the other proposer still runs
             item["error"] = f"{type(e).__name__}: {e}"[:500]
         item["wall_s"] = round(time.perf_counter() - t0, 1)
