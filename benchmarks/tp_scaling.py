@@ -1,19 +1,24 @@
 """Verify steps of a tensor-parallel target on CPU, beside the same model whole.
 
     python benchmarks/tp_scaling.py [--model DIR] [--batch-sizes 1,8] [--k 4] [--context 64]
-                                    [--repeats 30] [--smoke] [--json out.json]
+                                    [--repeats 20] [--rounds 5] [--smoke] [--json out.json]
 
-Three set-ups, side by side in one run, each in processes of its own so thread settings
+Four set-ups, side by side in one run, each in processes of its own so thread settings
 do not leak from one to the next:
 
 - ``tp1_1t``: the whole model in one process with one torch thread;
-- ``tp2``: two ranks (gloo, float32), one process and one thread each;
+- ``tp2``: two ranks (float32), one process and one thread each, meeting in shared memory;
+- ``tp2_gloo``: the same two ranks meeting over gloo (loopback TCP);
 - ``tp1_2t``: the whole model in one process with two threads.
+
+The set-ups take turns, ``--rounds`` times, so a change in the machine's load reaches each
+of them alike; a ratio is taken within each round, and reported as its geometric mean with
+a 95 % interval over the rounds.
 
 Each prefills ``batch`` sequences of ``--context`` tokens, then times verify-shaped steps
 (k + 1 tokens a sequence, every row's logits, as ``TargetWorker.verify`` asks) over the
 same positions, and reports the median milliseconds per step, the speedups over
-``tp1_1t``, and for ``tp2`` the time rank 0 spent in collectives (the all-reduces and the
+``tp1_1t``, and for two ranks the time rank 0 spent in collectives (the all-reduces and the
 logits' gather) per step, both medians, and the largest logit difference from
 ``tp1_1t`` (exit 1 past float32 noise). The default model is SmolLM2-135M (``specray models fetch
 smollm2``; its 9 query and 3 KV heads split 6 + 3 and 2 + 1); ``--smoke`` runs a tiny
@@ -33,7 +38,8 @@ import tempfile
 import time
 from dataclasses import replace
 
-SETUPS = {"tp1_1t": (1, 1), "tp2": (2, 1), "tp1_2t": (1, 2)}     # name -> (ranks, threads a rank)
+# name -> (ranks, threads a rank, shared memory between ranks)
+SETUPS = {"tp1_1t": (1, 1, True), "tp2": (2, 1, True), "tp2_gloo": (2, 1, False), "tp1_2t": (1, 2, True)}
 
 
 def _free_port() -> int:
@@ -52,7 +58,7 @@ def _plan(sids, computed, new, tokens):
                     free_seq_ids=[])
 
 
-def _rank(args: dict, rank: int, size: int, threads: int, port: int, out) -> None:
+def _rank(args: dict, rank: int, size: int, threads: int, shm: bool, port: int, out) -> None:
     """One process: its rank of the model, then per batch size a prefill and timed verify
     steps; rank 0 puts {batch: (median ms, collective ms a step)} on ``out``."""
     import torch
@@ -72,7 +78,9 @@ def _rank(args: dict, rank: int, size: int, threads: int, port: int, out) -> Non
     if size > 1:
         store = dist.TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0,
                               timeout=timedelta(seconds=300))
-        group = RankGroup(store, rank, size, torch.device("cpu"), 300.0)
+        group = RankGroup(store, rank, size, torch.device("cpu"), 300.0, shared_memory=shm)
+        if shm and group.transport != "shm":
+            raise SystemExit("the ranks could not share memory here")
     k, ctx, batches = args["k"], args["context"], args["batch_sizes"]
     window = ctx + k + 8
     top = max(batches)
@@ -120,19 +128,43 @@ def _tiny_model() -> str:
     return path
 
 
+def _run_setup(ctx, args: dict, name: str) -> dict:
+    size, threads, shm = SETUPS[name]
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(args, r, size, threads, shm, port, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode:
+            raise SystemExit(f"{name}: rank process exited with {p.exitcode}")
+    return result
+
+
+def _ratio(base: list[float], other: list[float]) -> str:
+    """base / other per round (a speedup of ``other``): geometric mean [95 % interval]."""
+    from specray.runtime.bench.stats import within_repeats
+
+    r = within_repeats(base, other)
+    ci = f" [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]" if r["ci95"] else ""
+    return f"{r['geomean']:.2f}x{ci}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: SmolLM2-135M)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--k", type=int, default=4, help="proposals a verify step scores (k + 1 rows a sequence)")
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=20, help="timed steps a round")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="turns of every set-up")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, a few steps: the script works")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.smoke:
-        model, a.repeats, a.warmup, a.context = _tiny_model(), 3, 1, 16
+        model, a.repeats, a.warmup, a.context, a.rounds = _tiny_model(), 3, 1, 16, 2
     elif a.model:
         model = a.model
     else:
@@ -142,32 +174,27 @@ def main() -> int:
     args = {"model": model, "k": a.k, "context": a.context, "repeats": a.repeats, "warmup": a.warmup,
             "batch_sizes": [int(x) for x in a.batch_sizes.split(",")]}
     ctx = mp.get_context("spawn")
-    summary: dict = {"model": model, "k": a.k, "context": a.context, "setups": {}}
-    for name, (size, threads) in SETUPS.items():
-        out, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_rank, args=(args, r, size, threads, port, out)) for r in range(size)]
-        for p in procs:
-            p.start()
-        summary["setups"][name] = out.get(timeout=1800)
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode:
-                raise SystemExit(f"{name}: rank process exited with {p.exitcode}")
-    print(f"{'batch':>5} {'setup':>7} {'ms/step':>9} {'speedup':>8} {'collective ms':>14} {'max|dlogit|':>12}")
+    rounds = [{name: _run_setup(ctx, args, name) for name in SETUPS} for _ in range(a.rounds)]
+    summary: dict = {"model": model, "k": a.k, "context": a.context, "rounds": a.rounds, "batches": {}}
+    print(f"{'batch':>5} {'setup':>8} {'ms/step':>9} {'collective ms':>14} {'max|dlogit|':>12}   speedup over tp1_1t")
     failed = []
     for b in args["batch_sizes"]:
-        base, ref = summary["setups"]["tp1_1t"][b][0], summary["setups"]["tp1_1t"][b][2]
+        ms = {n: [r[n][b][0] for r in rounds] for n in SETUPS}
+        comm = {n: [r[n][b][1] for r in rounds] for n in SETUPS}
+        row = summary["batches"][b] = {}
         for name in SETUPS:
-            ms, comm, logits = summary["setups"][name][b]
-            diff = float(abs(logits - ref).max())
-            summary["setups"][name][b] = {"ms_per_step": ms, "collective_ms": comm, "max_abs_dlogit": diff}
-            print(f"{b:>5} {name:>7} {ms:>9.2f} {base / ms:>7.2f}x {comm:>14.2f} {diff:>12.2e}")
+            ref = rounds[0]["tp1_1t"][b][2]
+            diff = max(float(abs(r[name][b][2] - ref).max()) for r in rounds)
+            row[name] = {"ms_per_step": ms[name], "collective_ms": comm[name], "max_abs_dlogit": diff}
+            speed = "" if name == "tp1_1t" else _ratio(ms["tp1_1t"], ms[name])
+            print(f"{b:>5} {name:>8} {statistics.median(ms[name]):>9.2f} {statistics.median(comm[name]):>14.2f} "
+                  f"{diff:>12.2e}   {speed}")
             # The same math summed in another order: float32 noise, relative to the logits' scale.
             if diff > 1e-4 * max(1.0, float(abs(ref).max())):
                 failed.append(f"batch {b} {name}: logits differ from tp1_1t by {diff:.3g}")
-        tp2, two = (summary["setups"][n][b]["ms_per_step"] for n in ("tp2", "tp1_2t"))
-        print(f"{b:>5}   tp2 / tp1_1t speedup {base / tp2:.2f}x (goal >= 1.5), tp2 vs tp1_2t {two / tp2:.2f}x "
-              f"(goal >= 0.9)")
+        print(f"{b:>5}   tp2 over tp1_1t {_ratio(ms['tp1_1t'], ms['tp2'])} (goal >= 1.5); "
+              f"over tp1_2t {_ratio(ms['tp1_2t'], ms['tp2'])} (goal >= 0.9); "
+              f"over tp2_gloo {_ratio(ms['tp2_gloo'], ms['tp2'])}")
     for f in failed:
         print("FAIL " + f)
     if a.smoke:

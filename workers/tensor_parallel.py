@@ -16,9 +16,10 @@ KV cache; all ranks run every step together (SPMD) and meet in collectives::
 So a layer costs two all-reduces, and between layers the residual stream is whole and the
 same on every rank (an EAGLE-3 head beside rank 0 reads its hidden states there).
 
-``RankGroup`` is one rank's handle on its group: gloo on CPU (float32 only: gloo has no
-bfloat16 sum), NCCL on CUDA plus a gloo group for host-side messages (the plan rank 0
-shares each step, ``rank_group``). The groups are built on a ``Store`` of their own, not
+``RankGroup`` is one rank's handle on its group: on CPU, shared memory between ranks of one
+x86-64 host (``shm_collective``) and gloo otherwise and for tensors too large for its slots
+(float32 only: gloo has no bfloat16 sum); NCCL on CUDA; and a gloo group for host-side
+messages (the plan rank 0 shares each step, ``rank_group``). The groups are built on a ``Store`` of their own, not
 torch.distributed's default group, so one process may hold ranks of several groups (the
 driver's actor hosts rank 0 of the target's). Every collective is bounded by the group's
 timeout: a rank whose peer died raises instead of waiting (30 minutes by default in torch).
@@ -32,6 +33,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from specray.workers import shm_collective
 
 # A collective waits this long for its peers before it raises (the group is then broken).
 DEFAULT_TIMEOUT_S = 60.0
@@ -135,10 +138,13 @@ class RankGroup:
     """One rank's handle on its tensor-parallel group. Built by every rank at once (the
     constructor waits for all ``size`` on ``store``); ``comm_s`` adds up the seconds this
     rank spent in the model's collectives (what the scaling benchmark reports). ``field``:
-    the setting that asked for the group, named where its split is refused."""
+    the setting that asked for the group, named where its split is refused.
+    ``shared_memory=False`` keeps a CPU group on gloo (the scaling benchmark's comparison);
+    ``transport`` says which the model's collectives use."""
 
     def __init__(self, store, rank: int, size: int, device: torch.device,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, field: str = "tensor_parallel_size") -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, field: str = "tensor_parallel_size",
+                 shared_memory: bool = True) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of {size}")
         self.rank, self.size, self.device, self.field = rank, size, device, field
@@ -150,6 +156,10 @@ class RankGroup:
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
         else:
             self.dev = self.host
+        self.shm = None
+        if device.type == "cpu" and shared_memory:
+            self.shm = shm_collective.connect(dist.PrefixStore("shm/", store), rank, size, timeout_s)
+        self.transport = "nccl" if device.type == "cuda" else "shm" if self.shm else "gloo"
         self.comm_s = 0.0
         self.broken = False
 
@@ -163,20 +173,33 @@ class RankGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (any shape), in place."""
         t0 = time.perf_counter()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.dev.allreduce([x], opts))
+        if self.shm is not None and self.shm.fits(x):
+            self._shm(self.shm.all_reduce, x)
+        else:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            self._wait(self.dev.allreduce([x], opts))
         self.comm_s += time.perf_counter() - t0
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[m, c] from every rank -> [m, size * c], rank order along the last dimension."""
         t0 = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._wait(self.dev.allgather([parts], [x.contiguous()]))
-        out = torch.cat(parts, dim=-1)
+        if self.shm is not None and self.shm.fits(x):
+            out = self._shm(self.shm.all_gather, x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self._wait(self.dev.allgather([parts], [x.contiguous()]))
+            out = torch.cat(parts, dim=-1)
         self.comm_s += time.perf_counter() - t0
         return out
+
+    def _shm(self, op, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return op(x)
+        except Exception:
+            self.broken = True
+            raise
 
     def min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (KV blocks: each rank sized its own)."""
@@ -213,6 +236,9 @@ class RankGroup:
         self._wait(self.host.broadcast([t], opts))
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         for pg in {id(self.host): self.host, id(self.dev): self.dev}.values():
             try:
                 pg.shutdown()
