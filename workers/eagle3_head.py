@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specray.workers.eagle3_loader import Eagle3Checkpoint
 from specray.workers.llama_model import rms_norm
@@ -65,7 +64,7 @@ class Eagle3Head:
         self.scaling = self.head_dim ** -0.5
         self.target_ids = ckpt.target_ids.to(device)                                         # [draft_vocab]
         self.target_vocab = ckpt.vocab_size
-        self.rotary = RotaryTable(_rotary_module(ckpt), max_len + 1, dtype, device)
+        self.rotary = RotaryTable(_rotary_config(ckpt), max_len + 1, dtype, device)
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []       # one layer: [slots, KVH, D] each
 
@@ -123,9 +122,9 @@ class Eagle3Head:
         return full.index_copy_(1, self.target_ids, logits)
 
 
-def _rotary_module(ckpt: Eagle3Checkpoint) -> LlamaRotaryEmbedding:
-    """transformers' own rotary module for the head's RoPE settings (its config's, not the
-    target's), so every static rope type is computed as the reference computes it."""
+def _rotary_config(ckpt: Eagle3Checkpoint) -> LlamaConfig:
+    """A transformers config of the head's RoPE settings (its config's, not the target's),
+    so every static rope type is computed as transformers' rotary module computes it."""
     conf = {k: ckpt.config[k] for k in _ROPE_KEYS if k in ckpt.config}
     cfg = LlamaConfig(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
                       num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1, **conf)
@@ -133,4 +132,4 @@ def _rotary_module(ckpt: Eagle3Checkpoint) -> LlamaRotaryEmbedding:
     if rt not in STATIC_ROPE_TYPES:
         raise ValueError(f"{ckpt.path}: rope_scaling type {rt!r} changes with the sequence length; an EAGLE-3 head "
                          f"here takes one of {', '.join(STATIC_ROPE_TYPES)}")
-    return LlamaRotaryEmbedding(cfg)
+    return cfg

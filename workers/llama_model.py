@@ -1,15 +1,19 @@
 """specray's own executor for the Llama family: Llama (Llama 3 rope scaling included),
 Mistral (sliding window), Qwen2 (qkv bias, per-layer windows) and Qwen3 (q/k RMSNorm).
 
-Weights are taken from the transformers model the loader built from the checkpoint (so
-configs, safetensors, dtype conversion and tied embeddings are handled by the same code
-as the reference), then fused: q/k/v into one projection, gate/up into another. A
+Weights come by their checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...):
+from the checkpoint's safetensors as the loader read them (``model_loader.load_weights``,
+which imports no transformers modeling code), or from a transformers model's state dict;
+then they are fused: q/k/v into one projection, gate/up into another. What transformers
+derives from the config (each layer's window, the attention scaling, the rotary
+frequencies) is derived here the same way, and checked against its modules by the tests. A
 forward is a flat loop of tensor ops over the packed batch: no per-module Python calls,
 no transformers masks or caches. Attention is specray's paged attention
 (``paged_attention.attend``) over the same ``AttentionMetadata``.
 
-``supports(hf_model)`` says whether a loaded model can run here (else ``None`` and the
-reason); ``NativeCausalLM.from_hf(hf_model, max_len)`` builds it, and
+``supports(config)`` says whether a model can run here (``None``, else the reason);
+``NativeCausalLM.from_weights(config, weights, max_len)`` builds it (``from_hf`` from a
+loaded transformers model), and
 ``forward(input_ids [T], positions [T], meta, logits_index [m], tail=None)`` returns
 logits [m, V] in the model's dtype, equal in math to transformers' forward; it is
 ``logits(hidden_states(...))``, split so that a CUDA graph can stop before the head.
@@ -31,7 +35,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from specray.workers.paged_attention import AttentionMetadata, QueryTail, attend, write_kv
 from specray.workers.rotary import STATIC_ROPE_TYPES, RotaryTable, apply_rotary, rope_type
@@ -40,9 +43,9 @@ from specray.workers.tensor_parallel import RankGroup, Split
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def supports(hf_model) -> str | None:
-    """None when the native executor can run ``hf_model``, else why not."""
-    config = hf_model.config
+def supports(config) -> str | None:
+    """None when the native executor can run the model of ``config`` (a transformers
+    config), else why not."""
     mt = getattr(config, "model_type", None)
     if mt not in MODEL_TYPES:
         return f"model_type {mt!r} is not one of {', '.join(MODEL_TYPES)}"
@@ -53,9 +56,49 @@ def supports(hf_model) -> str | None:
         return "mlp_bias"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    if not hasattr(hf_model, "model") or not hasattr(hf_model.model, "layers"):
-        return "no model.layers"
+    if getattr(config, "quantization_config", None):
+        return "a quantized checkpoint"
+    if mt != "qwen2" and getattr(config, "attention_bias", False):
+        return "attention_bias (an o_proj bias)"
     return None
+
+
+def weight_names(config) -> list[str]:
+    """Every tensor the executor takes from a checkpoint of ``config``'s model (optional
+    ones, the Qwen2 biases and the Qwen3 norms, only where the family has them)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not getattr(config, "tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    mt = config.model_type
+    for i in range(config.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+        names += [a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [m + p + ".weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        if mt == "qwen2":
+            names += [a + p + ".bias" for p in ("q_proj", "k_proj", "v_proj")]
+        if mt == "qwen3":
+            names += [a + "q_norm.weight", a + "k_norm.weight"]
+    return names
+
+
+def layer_window(config, i: int) -> int | None:
+    """Layer ``i``'s sliding window, as transformers' attention modules take it: Qwen2 and
+    Qwen3 per layer from ``layer_types``; Mistral (and any family whose config names one)
+    for every layer."""
+    if config.model_type in ("qwen2", "qwen3"):
+        types = getattr(config, "layer_types", None)
+        return config.sliding_window if types is not None and types[i] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+def _activation(name: str):
+    # The plain function where it is one: a module call costs more than SiLU itself at batch 1.
+    if name in ("silu", "swish"):
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:
@@ -138,16 +181,33 @@ class NativeCausalLM:
     @classmethod
     def from_hf(cls, hf_model, max_len: int, release: bool = False,
                 group: RankGroup | None = None) -> "NativeCausalLM":
-        """``release``: empty each of ``hf_model``'s layers once its weights are fused, so
-        the build holds the model plus one layer's copies at its peak, not the model twice
-        (the caller drops ``hf_model``). ``group``: keep this rank's part of a
+        """From a loaded transformers model. ``release``: empty each of ``hf_model``'s
+        layers once its weights are fused, so the build holds the model plus one layer's
+        copies at its peak, not the model twice (the caller drops ``hf_model``)."""
+        weights = hf_model.state_dict()
+        inner = hf_model.model
+
+        def done(i: int) -> None:
+            if release:
+                inner.layers[i] = torch.nn.Identity()
+
+        return cls.from_weights(hf_model.config, weights, max_len, group, done)
+
+    @classmethod
+    def from_weights(cls, config, weights: dict[str, torch.Tensor], max_len: int, group: RankGroup | None = None,
+                     layer_done=None) -> "NativeCausalLM":
+        """From ``weights`` by checkpoint name (``weight_names(config)``; each layer's are
+        popped once fused, and ``layer_done(i)`` called, so the build holds one layer's
+        copies beyond the checkpoint). ``group``: keep this rank's part of a
         tensor-parallel split (every rank of the group builds at once)."""
-        why = supports(hf_model)
+        why = supports(config)
         if why:
             raise ValueError(f"native executor cannot run this model: {why}")
+        missing = [n for n in weight_names(config) if n not in weights]
+        if missing:
+            raise ValueError(f"native executor: the checkpoint has no {missing[0]} "
+                             f"({len(missing)} tensors missing)")
         self = object.__new__(cls)
-        config = hf_model.config
-        inner = hf_model.model
         self.config = config
         self.eps = config.rms_norm_eps
         self.heads = config.num_attention_heads
@@ -159,42 +219,44 @@ class NativeCausalLM:
         shard = _Shard(split, self.head_dim)
         if split is not None:
             self.heads, self.kv_heads = split.heads, split.kv_heads
-        # The plain function where it is one: a module call costs more than SiLU itself at batch 1.
-        self.act = F.silu if config.hidden_act in ("silu", "swish") else ACT2FN[config.hidden_act]
-        self.embed = shard.vocab(inner.embed_tokens.weight)
+        self.act = _activation(config.hidden_act)
+        embed = weights["model.embed_tokens.weight"]
+        self.embed = shard.vocab(embed)
         self.vocab_first = split.rank * split.vocab if split is not None else 0
-        self.norm = inner.norm.weight.detach()
-        self.lm_head = _t(shard.vocab(hf_model.lm_head.weight))  # a transposed copy, tied or not
+        self.norm = weights["model.norm.weight"].detach()
+        head = embed if getattr(config, "tie_word_embeddings", False) else weights["lm_head.weight"]
+        self.lm_head = _t(shard.vocab(head))                    # a transposed copy, tied or not
         w = self.embed
-        self.rotary = RotaryTable(inner.rotary_emb, max_len + 1, w.dtype, w.device)
+        self.rotary = RotaryTable(config, max_len + 1, w.dtype, w.device)
         self.layers = []
-        for i, hl in enumerate(inner.layers):
-            a, m = hl.self_attn, hl.mlp
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
             L = _Layer()
             L.idx = i
-            L.ln1 = hl.input_layernorm.weight.detach()
-            L.ln2 = hl.post_attention_layernorm.weight.detach()
-            L.qkv_w = _t(torch.cat(shard.qkv([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])))
-            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+            L.ln1 = weights[p + "input_layernorm.weight"].detach()
+            L.ln2 = weights[p + "post_attention_layernorm.weight"].detach()
+            L.qkv_w = _t(torch.cat(shard.qkv([weights[a + n + "_proj.weight"] for n in "qkv"])))
+            biases = [weights.get(a + n + "_proj.bias") for n in "qkv"]
             L.qkv_b = torch.cat(shard.qkv(biases)).detach() if biases[0] is not None else None
-            L.o_w = _t(shard.columns(a.o_proj.weight, "heads"))
-            if a.o_proj.bias is not None:
+            L.o_w = _t(shard.columns(weights[a + "o_proj.weight"], "heads"))
+            if weights.get(a + "o_proj.bias") is not None:
                 raise ValueError("native executor cannot run this model: o_proj bias")
             # Qwen3's per-head q and k norms as one [heads + kv_heads, D] weight: q and k are
             # adjacent in the qkv output, so both are normalized (and rotated) in one pass.
-            L.qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.heads, -1),
-                                   a.k_norm.weight.detach().expand(self.kv_heads, -1)]) \
-                if hasattr(a, "q_norm") else None
-            L.gate_up_w = _t(torch.cat([shard.rows(p.weight, "inter") for p in (m.gate_proj, m.up_proj)]))
-            L.down_w = _t(shard.columns(m.down_proj.weight, "inter"))
-            # Qwen2 sets it per layer on the attention module; Mistral reads the config.
-            L.window = getattr(a, "sliding_window", None) if hasattr(a, "sliding_window") else \
-                getattr(config, "sliding_window", None)
-            L.scaling = a.scaling
+            L.qk_norm = torch.cat([weights[a + "q_norm.weight"].detach().expand(self.heads, -1),
+                                   weights[a + "k_norm.weight"].detach().expand(self.kv_heads, -1)]) \
+                if a + "q_norm.weight" in weights else None
+            L.gate_up_w = _t(torch.cat([shard.rows(weights[m + n + "_proj.weight"], "inter") for n in ("gate", "up")]))
+            L.down_w = _t(shard.columns(weights[m + "down_proj.weight"], "inter"))
+            L.window = layer_window(config, i)
+            L.scaling = self.head_dim ** -0.5
             self.layers.append(L)
-            if release:
-                # The norms' weights are shared, not copied: L holds them.
-                inner.layers[i] = torch.nn.Identity()
+            # The norms' weights are shared, not copied: L holds them.
+            for name in [n for n in weights if n.startswith(p)]:
+                del weights[name]
+            if layer_done is not None:
+                layer_done(i)
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.inter = self.layers[0].gate_up_w.shape[1] // 2 if self.layers else 0

@@ -1,4 +1,10 @@
-"""Loading causal LMs and tokenizers through transformers' own path.
+"""Loading causal LMs and tokenizers.
+
+A model the native executor runs (``llama_model.supports``) whose checkpoint is
+safetensors is read directly (``load_weights``): its config through transformers, its
+tensors through safetensors, without importing transformers' modeling code, which is
+most of a worker's start. Every other model loads through transformers' own path
+(``load_model``).
 
 A model is named by a local directory or a hub id. A name that can only be a path (see
 ``looks_local``) and does not exist is refused here, naming the absolute path it was
@@ -7,11 +13,11 @@ looked for at, instead of ending in a hub error about a repository id.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specray.workers import paged_attention
 from specray.workers.model_files import looks_local, resolve_model_path  # noqa: F401 - their home for callers
@@ -49,6 +55,8 @@ def resolve_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
 
 
 def load_config(path: str):
+    from transformers import AutoConfig
+
     where = resolve_model_path(path)
     try:
         return AutoConfig.from_pretrained(where)
@@ -61,8 +69,44 @@ def load_config(path: str):
         raise ValueError(f"cannot load a model config from {path!r}: {e}") from e
 
 
+def safetensors_files(path: str) -> list[str] | None:
+    """The checkpoint's safetensors files (one, or the shards its index names), or None
+    where it has none (a ``.bin`` checkpoint, a hub id not in the local cache)."""
+    where = resolve_model_path(path)
+    if not os.path.isdir(where):
+        try:
+            from huggingface_hub import snapshot_download
+
+            where = snapshot_download(where, allow_patterns=["*.json", "*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache: transformers' path says why
+            return None
+    index = os.path.join(where, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(where, s) for s in shards]
+        return files if all(os.path.isfile(f) for f in files) else None
+    single = os.path.join(where, "model.safetensors")
+    return [single] if os.path.isfile(single) else None
+
+
+def load_weights(files: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` by its checkpoint name, floating-point ones in ``dtype``,
+    on ``device`` (as ``from_pretrained(dtype=...)`` holds them)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(f, device="cpu").items():
+            out[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return out
+
+
 def load_model(path: str, dtype: str = "auto", device: str = "auto"):
-    """Returns (model, config, device, dtype); the model attends over specray's paged cache."""
+    """Returns (model, config, device, dtype) through transformers; the model attends over
+    specray's paged cache."""
+    from transformers import AutoModelForCausalLM
+
     dev = resolve_device(device)
     config = load_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
@@ -75,6 +119,8 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto"):
 
 
 def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 

@@ -47,21 +47,13 @@ class ModelRunner:
         self.cache_config = cache
         self.max_num_seqs = cache.max_num_seqs
         before = memory_budget.allocated(model_loader.resolve_device(model.device))
-        self.model, self.config, self.device, self.dtype = model_loader.load_model(path, model.dtype, model.device)
         self.group = group if group is not None and group.size > 1 else None
         self.tp_size = group.size if self.group is not None else 1
         self.tp_rank = group.rank if self.group is not None else 0
-        if self.group is not None:
-            check_backend(self.device, self.dtype)
-        self.vocab_size = self.config.vocab_size
         if window is None:
             raise ValueError(f"{path}: a worker is built with its window decided (workers.model_files.settle_windows)")
         self.max_model_len = window
-        self.native = self._select_executor(model.executor)
-        if self.native is not None:
-            # The native executor holds its own fused, transposed copies: drop the modules so
-            # the weights are not held twice (and are not counted twice below).
-            self.model = None
+        self.native = self._load(model)
         memory_budget.release(self.device)
         self.query_lens = tuple(model.cuda_graph_query_lens) or (1,)
         # A graph would capture the collectives too: tensor-parallel ranks run eagerly.
@@ -161,20 +153,39 @@ class ModelRunner:
                 "graph_capture_failure": self.graph_failure, "graph_capture_s": round(self.graph_capture_s, 3),
                 "kv_blocks": self.num_blocks, "tensor_parallel_size": self.tp_size}
 
-    def _select_executor(self, choice: str):
-        """specray's own executor for the families it covers, else transformers' modules
-        (``choice`` was validated with its ModelConfig)."""
-        why = "executor='transformers'" if choice == "transformers" else llama_model.supports(self.model)
+    def _load(self, model: ModelConfig):
+        """The checkpoint, on specray's own executor for the families it covers (read
+        directly where it is safetensors), else on transformers' modules, which then stay
+        in ``self.model`` (``model.executor`` was validated with its ModelConfig)."""
+        path, choice = self.path, model.executor
+        self.device = model_loader.resolve_device(model.device)
+        self.config = model_loader.load_config(path)
+        self.dtype = model_loader.resolve_dtype(model.dtype, self.device, self.config)
+        self.vocab_size = self.config.vocab_size
+        self.model = None
+        why = "executor='transformers'" if choice == "transformers" else llama_model.supports(self.config)
         if why and self.group is not None:
             raise ValueError(f"{self.group.field}={self.tp_size} needs the native executor, which cannot run "
-                             f"{self.path}: {why}")
+                             f"{path}: {why}")
         if why and choice == "native":
-            raise ValueError(f"executor='native' cannot run {self.path}: {why}")
-        if why:
-            log.info("specray executor: %s runs on the transformers path (%s)", self.path, why)
-            return None
-        native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len, release=True, group=self.group)
-        log.info("specray executor: %s runs on the native %s executor", self.path, self.config.model_type)
+            raise ValueError(f"executor='native' cannot run {path}: {why}")
+        if self.group is not None:
+            check_backend(self.device, self.dtype)
+        files = None if why else model_loader.safetensors_files(path)
+        if files is not None:
+            weights = model_loader.load_weights(files, self.dtype, self.device)
+            native = llama_model.NativeCausalLM.from_weights(self.config, weights, self.max_model_len, self.group)
+        else:
+            self.model, self.config, _, _ = model_loader.load_model(path, model.dtype, model.device)
+            if why:
+                log.info("specray executor: %s runs on the transformers path (%s)", path, why)
+                return None
+            # The native executor holds its own fused, transposed copies: the modules go
+            # layer by layer as it builds, so the weights are never held twice.
+            native = llama_model.NativeCausalLM.from_hf(self.model, self.max_model_len, release=True,
+                                                        group=self.group)
+            self.model = None
+        log.info("specray executor: %s runs on the native %s executor", path, self.config.model_type)
         return native
 
     @property

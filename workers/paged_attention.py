@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from specray.scheduler.block_manager import blocks_needed
 from specray.workers.host_copy import to_device
@@ -293,5 +292,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def register() -> str:
+    # Here, not at import: transformers' modeling code is imported only by the transformers path.
+    from transformers import AttentionInterface
+
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
     return ATTENTION_NAME

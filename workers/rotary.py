@@ -1,13 +1,14 @@
 """Rotary position embeddings as one table lookup per forward.
 
-The inverse frequencies and the attention scaling come from the checkpoint's own
-transformers rotary module (so every ``rope_type`` it knows, Llama 3's ``llama3``
-scaling included, is computed by the same code as the reference). Static-frequency
-types only: a dynamic type (``dynamic``, ``longrope`` past the original length) changes
-its frequencies with the sequence length and is refused, leaving the model on the
-transformers path.
+The inverse frequencies and the attention scaling are computed from the model's config
+as transformers' rotary modules compute them: the default type by the same expression as
+their ``compute_default_rope_parameters``, every other type by transformers' own
+``ROPE_INIT_FUNCTIONS`` (Llama 3's ``llama3`` scaling, ``linear``, ``yarn``), which import
+no modeling code. Static-frequency types only: a dynamic type (``dynamic``, ``longrope``
+past the original length) changes its frequencies with the sequence length and is
+refused, leaving the model on the transformers path.
 
-Contract: ``RotaryTable(rotary_module, max_len, dtype)`` then ``cos_sin(positions)`` ->
+Contract: ``RotaryTable(config, max_len, dtype, device)`` then ``cos_sin(positions)`` ->
 (cos, sin), each [T, D] in ``dtype``; values equal transformers' ``cos.to(dtype)`` /
 ``sin.to(dtype)`` element for element (float32 angles, cast once).
 """
@@ -24,10 +25,27 @@ def rope_type(config) -> str:
     return params.get("rope_type", params.get("type", "default")) or "default"
 
 
+def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D / 2] float32, attention scaling), as the config's transformers rotary
+    module holds them."""
+    rt = rope_type(config)
+    if rt not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rt!r} changes with the sequence length")
+    if rt != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rt](config)
+        return inv_freq, float(scale)
+    params = getattr(config, "rope_parameters", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
 class RotaryTable:
-    def __init__(self, rotary_module, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        inv_freq = rotary_module.inv_freq.to(device=device, dtype=torch.float32)
-        scale = float(getattr(rotary_module, "attention_scaling", 1.0))
+    def __init__(self, config, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        inv_freq, scale = inverse_frequencies(config)
+        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         pos = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]                   # same float32 product as HF
         emb = torch.cat((freqs, freqs), dim=-1)

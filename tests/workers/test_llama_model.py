@@ -10,6 +10,9 @@ onto the transformers path gives the same logits over the same paged cache.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -170,10 +173,15 @@ def test_dynamic_rope_falls_back_to_transformers(tiny_model):
         runner_for(path, executor="native")
 
 
+def test_an_attention_bias_falls_back_to_transformers(tiny_model):
+    path = tiny_model("llama", seed=41, attention_bias=True)
+    assert runner_for(path, executor="auto").executor == "transformers"
+    with pytest.raises(ValueError, match="attention_bias"):
+        runner_for(path, executor="native")
+
+
 def test_supports_names_unknown_families():
-    class Fake:
-        config = type("C", (), {"model_type": "gpt2"})()
-    assert "gpt2" in llama_model.supports(Fake())
+    assert "gpt2" in llama_model.supports(type("C", (), {"model_type": "gpt2"})())
 
 
 def test_executor_choice_is_checked():
@@ -219,3 +227,65 @@ def test_a_forward_asked_for_tails_gives_their_logits_and_writes_every_rows_cach
     want = full.forward([0, 1, 2], comp, new, full.to_device(toks), full.to_device(list(range(14))))
     got = part.forward([0, 1, 2], comp, new, part.to_device(toks), part.to_device([0, 1, 13]), tail=[1, 2, 1])
     assert torch.allclose(got, want[[0, 1, 13]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_what_the_config_decides_equals_transformers_modules(name, dirs):
+    """Each layer's window and scaling and the rotary frequencies, derived from the config
+    for a checkpoint read directly, are what transformers' modules hold."""
+    from transformers import AutoModelForCausalLM
+
+    from specray.workers.rotary import inverse_frequencies
+
+    hf = AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32)
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for i, layer in enumerate(hf.model.layers):
+        a = layer.self_attn
+        held = a.sliding_window if hasattr(a, "sliding_window") else getattr(cfg, "sliding_window", None)
+        assert llama_model.layer_window(cfg, i) == held
+        assert head_dim ** -0.5 == a.scaling
+    inv_freq, scale = inverse_frequencies(cfg)
+    assert torch.equal(inv_freq, hf.model.rotary_emb.inv_freq) and scale == hf.model.rotary_emb.attention_scaling
+
+
+@pytest.mark.parametrize("name", ["llama_linear_tied", "qwen2_swa", "qwen3_qknorm"])
+def test_a_checkpoint_read_directly_builds_what_transformers_loading_builds(name, dirs):
+    from transformers import AutoModelForCausalLM
+
+    from specray.workers import model_loader
+
+    hf = AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32)
+    via_hf = llama_model.NativeCausalLM.from_hf(hf, 64)
+    config = model_loader.load_config(dirs[name])
+    weights = model_loader.load_weights(model_loader.safetensors_files(dirs[name]), torch.float32, torch.device("cpu"))
+    direct = llama_model.NativeCausalLM.from_weights(config, weights, 64)
+    for attr in ("embed", "norm", "lm_head"):
+        assert torch.equal(getattr(direct, attr), getattr(via_hf, attr))
+    assert torch.equal(direct.rotary.table, via_hf.rotary.table)
+    for x, y in zip(direct.layers, via_hf.layers, strict=True):
+        for slot in x.__slots__:
+            u, v = getattr(x, slot), getattr(y, slot)
+            assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, slot
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(dirs):
+    from specray.workers import model_loader
+
+    path = dirs["llama_gqa"]
+    weights = model_loader.load_weights(model_loader.safetensors_files(path), torch.float32, torch.device("cpu"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.up_proj\.weight"):
+        llama_model.NativeCausalLM.from_weights(model_loader.load_config(path), weights, 64)
+
+
+def test_a_native_worker_starts_without_transformers_modeling_code(dirs):
+    """Importing transformers' modeling code is most of a worker's start: a checkpoint the
+    native executor runs is loaded without it."""
+    code = ("import sys; from specray_testing import model_runner; "
+            f"r = model_runner({dirs['llama_gqa']!r}, block_size=4, num_kv_blocks=8); "
+            "print(r.executor, 'transformers.modeling_utils' in sys.modules)")
+    tests = os.path.dirname(os.path.dirname(__file__))         # where specray_testing lives
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=tests), check=True)
+    assert out.stdout.split()[-2:] == ["native", "False"], out.stderr[-2000:]
