@@ -14,6 +14,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadscope`` (``scripts/test``), every module that uses ``ray_head``
+    runs on one worker: a head node with its dashboard is started once, not once a worker."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    uses_head: dict[str, bool] = {}
+
+    class OneHeadNode(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in uses_head:
+                path = os.path.join(str(config.rootpath), module)
+                with open(path) as f:
+                    uses_head[module] = "ray_head" in f.read()
+            return "ray_head" if uses_head[module] else super()._split_scope(nodeid)
+
+    return OneHeadNode(config, log)
+
+
 @pytest.fixture(scope="session")
 def plan_builder():
     """A StepPlan the way the driver fills it (``specray_testing.make_plan``)."""
