@@ -144,6 +144,13 @@ def _head_bytes(size: int) -> int:
     return _LINE * (size + 1)
 
 
+def _all_agree(store, step: str, rank: int, size: int, ok: bool) -> bool:
+    """Publishes this rank's ``ok`` for ``step`` and waits for every rank's: True only if
+    all said yes."""
+    store.set(f"{step}/{rank}", b"1" if ok else b"0")
+    return all(store.get(f"{step}/{r}") == b"1" for r in range(size)) and ok
+
+
 def connect(store, rank: int, size: int, timeout_s: float, capacity: int = DEFAULT_CAPACITY) -> ShmCollective | None:
     """This rank's ``ShmCollective``, or None on every rank when any rank cannot map the
     segment rank 0 made (another host, another ``/dev/shm``) or the machine is not x86-64.
@@ -163,9 +170,9 @@ def connect(store, rank: int, size: int, timeout_s: float, capacity: int = DEFAU
                     os.close(fd)
             except OSError:
                 name = ""
-        store.set("shm/name", name)
+        store.set("name", name)
     else:
-        name = store.get("shm/name").decode()
+        name = store.get("name").decode()
     ok = ok and bool(name)
     own_lock, mm, peer_locks = -1, None, {}
     if ok:
@@ -180,17 +187,13 @@ def connect(store, rank: int, size: int, timeout_s: float, capacity: int = DEFAU
             ok = int.from_bytes(mm[:8], "little") == _MAGIC
         except OSError:
             ok = False
-    store.set(f"shm/locked/{rank}", b"1" if ok else b"0")
-    votes = [store.get(f"shm/locked/{r}") for r in range(size)]
-    ok = ok and all(v == b"1" for v in votes)
+    ok = _all_agree(store, "locked", rank, size, ok)
     if ok:
         try:
             peer_locks = {r: os.open(f"{name}.{r}", os.O_RDWR) for r in range(size) if r != rank}
         except OSError:
             ok = False
-    store.set(f"shm/ready/{rank}", b"1" if ok else b"0")
-    votes = [store.get(f"shm/ready/{r}") for r in range(size)]
-    ok = ok and all(v == b"1" for v in votes)
+    ok = _all_agree(store, "ready", rank, size, ok)
     # Every rank has opened what it needs (or given up): the names can go.
     if name:
         for path in ([f"{name}.{rank}"] + ([name] if rank == 0 else [])):
