@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shutil
 import socket
 import statistics
@@ -64,6 +65,11 @@ def _rank(args: dict, rank: int, size: int, threads: int, shm: bool, port: int, 
     import torch
 
     torch.set_num_threads(threads)
+    if args["pin"] and threads == 1 and hasattr(os, "sched_setaffinity"):
+        # Each one-thread rank on a core of its own, as a deployment binds its ranks: else
+        # the scheduler may put both ranks on one core now and then, and the one that
+        # waits spins beside the one that computes.
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -160,6 +166,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20, help="timed steps a round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5, help="turns of every set-up")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave one-thread ranks unbound (by default rank r runs on core r)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, a few steps: the script works")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -171,7 +179,7 @@ def main() -> int:
         from specray.runtime.model_store import fetch
 
         model = fetch("smollm2")
-    args = {"model": model, "k": a.k, "context": a.context, "repeats": a.repeats, "warmup": a.warmup,
+    args = {"model": model, "k": a.k, "context": a.context, "repeats": a.repeats, "warmup": a.warmup, "pin": a.pin,
             "batch_sizes": [int(x) for x in a.batch_sizes.split(",")]}
     ctx = mp.get_context("spawn")
     rounds = [{name: _run_setup(ctx, args, name) for name in SETUPS} for _ in range(a.rounds)]
