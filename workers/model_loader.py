@@ -102,13 +102,13 @@ def load_weights(files: list[str], dtype: torch.dtype, device: torch.device) -> 
     return out
 
 
-def load_model(path: str, dtype: str = "auto", device: str = "auto"):
+def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None):
     """Returns (model, config, device, dtype) through transformers; the model attends over
-    specray's paged cache."""
+    specray's paged cache. ``config``: the model's, where the caller has read it already."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
-    config = load_config(path)
+    config = config if config is not None else load_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)

@@ -176,7 +176,7 @@ class ModelRunner:
             weights = model_loader.load_weights(files, self.dtype, self.device)
             native = llama_model.NativeCausalLM.from_weights(self.config, weights, self.max_model_len, self.group)
         else:
-            self.model, self.config, _, _ = model_loader.load_model(path, model.dtype, model.device)
+            self.model, self.config, _, _ = model_loader.load_model(path, model.dtype, model.device, self.config)
             if why:
                 log.info("specray executor: %s runs on the transformers path (%s)", path, why)
                 return None
