@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Start-up order (each step needs the one before)::
 
-        load the checkpoint -> native executor (its own fused copies) -> drop the
-        transformers modules, free -> measure what this worker holds and what its steps
-        will need -> size and allocate the KV cache -> capture every CUDA graph bucket
+        load the checkpoint -> native executor (its own fused copies; the checkpoint's
+        tensors, or transformers' modules, dropped layer by layer) -> free -> measure
+        what this worker holds and what its steps will need -> size and allocate the KV
+        cache -> capture every CUDA graph bucket
 
     so the KV budget never counts weights held twice, and no step pays for a capture.
     With ``allocate=False`` the runner stops before the KV cache: the caller sizes several
