@@ -163,12 +163,17 @@ def connect(store, rank: int, size: int, timeout_s: float, capacity: int = DEFAU
             try:
                 fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.ftruncate(fd, _head_bytes(size) + 2 * size * capacity)
+                    # Reserved now, not on first touch: a tmpfs that runs out under a
+                    # sparse file kills the process touching it (SIGBUS); here it is an
+                    # OSError, and the group takes gloo.
+                    os.posix_fallocate(fd, 0, _head_bytes(size) + 2 * size * capacity)
                     with mmap.mmap(fd, _LINE) as head:
                         head[:8] = _MAGIC.to_bytes(8, "little")
                 finally:
                     os.close(fd)
             except OSError:
+                if os.path.exists(name):
+                    os.unlink(name)
                 name = ""
         store.set("name", name)
     else:

@@ -81,6 +81,20 @@ def test_a_tensor_larger_than_a_slot_goes_through_gloo():
         g.close()
 
 
+def test_a_shared_memory_folder_without_room_sends_the_group_to_gloo(monkeypatch):
+    before = leftovers()
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = dist.HashStore()
+    groups = on_ranks(2, lambda r: RankGroup(store, r, 2, CPU, 5.0))
+    assert [g.transport for g in groups] == ["gloo", "gloo"]
+    assert leftovers() == before
+    assert on_ranks(2, lambda r: float(groups[r].all_reduce(torch.ones(2))[0])) == [2.0, 2.0]
+
+
 class _Elsewhere:
     """Rank 1's view of a store whose rank 0 lives on another host: the segment it names
     is not there."""
