@@ -180,37 +180,43 @@ def connect(store, rank: int, size: int, timeout_s: float, capacity: int = DEFAU
         name = store.get("name").decode()
     ok = ok and bool(name)
     own_lock, mm, peer_locks = -1, None, {}
-    if ok:
-        try:
-            own_lock = os.open(f"{name}.{rank}", os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(own_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fd = os.open(name, os.O_RDWR)
+    try:
+        if ok:
             try:
-                mm = mmap.mmap(fd, 0)
-            finally:
-                os.close(fd)
-            ok = int.from_bytes(mm[:8], "little") == _MAGIC
-        except OSError:
-            ok = False
-    ok = _all_agree(store, "locked", rank, size, ok)
-    if ok:
-        try:
-            peer_locks = {r: os.open(f"{name}.{r}", os.O_RDWR) for r in range(size) if r != rank}
-        except OSError:
-            ok = False
-    ok = _all_agree(store, "ready", rank, size, ok)
-    # Every rank has opened what it needs (or given up): the names can go.
-    if name:
-        for path in ([f"{name}.{rank}"] + ([name] if rank == 0 else [])):
+                own_lock = os.open(f"{name}.{rank}", os.O_CREAT | os.O_RDWR, 0o600)
+                fcntl.flock(own_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = os.open(name, os.O_RDWR)
+                try:
+                    mm = mmap.mmap(fd, 0)
+                finally:
+                    os.close(fd)
+                ok = int.from_bytes(mm[:8], "little") == _MAGIC
+            except OSError:
+                ok = False
+        ok = _all_agree(store, "locked", rank, size, ok)
+        if ok:
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                peer_locks = {r: os.open(f"{name}.{r}", os.O_RDWR) for r in range(size) if r != rank}
+            except OSError:
+                ok = False
+        ok = _all_agree(store, "ready", rank, size, ok)
+    except BaseException:
+        ok = False                        # a peer that never voted: the store's wait raised
+        raise
+    finally:
+        # Every rank has opened what it needs, given up, or failed: the names can go.
+        if name:
+            for path in ([f"{name}.{rank}"] + ([name] if rank == 0 else [])):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if not ok:
+            for fd in (*peer_locks.values(), own_lock):
+                if fd >= 0:
+                    os.close(fd)
+            if mm is not None:
+                mm.close()
     if not ok:
-        for fd in (*peer_locks.values(), own_lock):
-            if fd >= 0:
-                os.close(fd)
-        if mm is not None:
-            mm.close()
         return None
     return ShmCollective(rank, size, capacity, mm, peer_locks, own_lock, timeout_s)

@@ -95,6 +95,17 @@ def test_a_shared_memory_folder_without_room_sends_the_group_to_gloo(monkeypatch
     assert on_ranks(2, lambda r: float(groups[r].all_reduce(torch.ones(2))[0])) == [2.0, 2.0]
 
 
+def test_a_peer_that_never_joins_leaves_nothing_behind():
+    """Rank 0 alone: its wait for rank 1's vote ends at the store's timeout, raising, and
+    the segment it made is gone."""
+    before = leftovers()
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    with pytest.raises(Exception, match="(?i)timeout|wait"):
+        shm_collective.connect(store, 0, 2, 5.0)
+    assert leftovers() == before
+
+
 class _Elsewhere:
     """Rank 1's view of a store whose rank 0 lives on another host: the segment it names
     is not there."""
