@@ -163,18 +163,21 @@ class RankGroup:
         self.comm_s = 0.0
         self.broken = False
 
-    def _wait(self, work) -> None:
+    def _guarded(self, call, *args):
         try:
-            work.wait(self.timeout)
+            return call(*args)
         except Exception:
             self.broken = True              # a collective that failed leaves the ranks out of step
             raise
+
+    def _wait(self, work) -> None:
+        self._guarded(work.wait, self.timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (any shape), in place."""
         t0 = time.perf_counter()
         if self.shm is not None and self.shm.fits(x):
-            self._shm(self.shm.all_reduce, x)
+            self._guarded(self.shm.all_reduce, x)
         else:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
@@ -186,20 +189,13 @@ class RankGroup:
         """[m, c] from every rank -> [m, size * c], rank order along the last dimension."""
         t0 = time.perf_counter()
         if self.shm is not None and self.shm.fits(x):
-            out = self._shm(self.shm.all_gather, x)
+            out = self._guarded(self.shm.all_gather, x)
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self._wait(self.dev.allgather([parts], [x.contiguous()]))
             out = torch.cat(parts, dim=-1)
         self.comm_s += time.perf_counter() - t0
         return out
-
-    def _shm(self, op, x: torch.Tensor) -> torch.Tensor:
-        try:
-            return op(x)
-        except Exception:
-            self.broken = True
-            raise
 
     def min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (KV blocks: each rank sized its own)."""
