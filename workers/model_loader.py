@@ -1,10 +1,10 @@
 """Loading causal LMs and tokenizers.
 
 A model the native executor runs (``llama_model.supports``) whose checkpoint is
-safetensors is read directly (``load_weights``): its config through transformers, its
-tensors through safetensors, without importing transformers' modeling code, which is
-most of a worker's start. Every other model loads through transformers' own path
-(``load_model``).
+safetensors is read directly (``load_weights``): its config from ``config.json`` where
+that file says all the executor reads (``native_config``), its tensors through
+safetensors, without importing transformers, which is most of a worker's start. Every
+other model loads through transformers' own path (``load_model``).
 
 A model is named by a local directory or a hub id. A name that can only be a path (see
 ``looks_local``) and does not exist is refused here, naming the absolute path it was
@@ -19,8 +19,8 @@ import threading
 
 import torch
 
-from specray.workers import paged_attention
-from specray.workers.model_files import looks_local, resolve_model_path  # noqa: F401 - their home for callers
+from specray.workers import native_config, paged_attention
+from specray.workers.model_files import looks_local, read_config, resolve_model_path  # noqa: F401 - their home for callers
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -55,6 +55,14 @@ def resolve_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
 
 
 def load_config(path: str):
+    """The model's config: a ``NativeConfig`` where its ``config.json`` alone says all the
+    native executor reads, else transformers' (``transformers_config``)."""
+    config = native_config.from_json(read_config(path))
+    return config if config is not None else transformers_config(path)
+
+
+def transformers_config(path: str):
+    """The model's config as transformers reads it (its family's defaults filled in)."""
     from transformers import AutoConfig
 
     where = resolve_model_path(path)
@@ -104,11 +112,13 @@ def load_weights(files: list[str], dtype: torch.dtype, device: torch.device) -> 
 
 def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None):
     """Returns (model, config, device, dtype) through transformers; the model attends over
-    specray's paged cache. ``config``: the model's, where the caller has read it already."""
+    specray's paged cache. ``config``: the model's transformers config, where the caller
+    has read it already."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
-    config = config if config is not None else load_config(path)
+    if config is None or isinstance(config, native_config.NativeConfig):
+        config = transformers_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
