@@ -131,7 +131,7 @@ class _Shard:
             return s.q_first * d, s.heads * d
         if what == "kv_heads":
             return s.kv_first * d, s.kv_heads * d
-        return s.inter_first, s.inter                                       # "inter"
+        return s.rank * s.inter, s.inter                                    # "inter"
 
     def rows(self, w: torch.Tensor, what: str) -> torch.Tensor:
         if self.split is None:

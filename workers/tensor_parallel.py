@@ -10,9 +10,7 @@ KV cache; all ranks run every step together (SPMD) and meet in collectives::
     attention   over the rank's own heads and its own KV cache; the KV heads are split,
                 or replicated where there are fewer KV heads than ranks
     o_proj      row-parallel: a rank's heads' share of the sum, then all-reduce
-    gate/up     column-parallel; down_proj row-parallel, then all-reduce; where the ranks
-                hold unequal attention (heads that do not split evenly), the MLP rows
-                even out the weights each rank holds (``mlp_partition``)
+    gate/up     column-parallel; down_proj row-parallel, then all-reduce
     lm_head     split by vocabulary; the slices all-gathered: every rank has logits [m, V]
 
 So a layer costs two all-reduces, and between layers the residual stream is whole and the
@@ -62,33 +60,6 @@ def kv_partition(kv_heads: int, size: int) -> list[tuple[int, int]]:
     return [(r // per, 1) for r in range(size)]
 
 
-# MLP rows of an uneven split go in multiples of this (a GPU matmul's tile).
-_MLP_ROW_ALIGN = 16
-
-
-def mlp_partition(config, heads: list[int], kv_heads: list[int]) -> list[tuple[int, int]]:
-    """(first row, rows) of the MLP's intermediate size on each rank, whose attention holds
-    ``heads[r]`` query and ``kv_heads[r]`` KV heads. Every rank waits for the slowest at each
-    all-reduce, and a verify step's time on a rank follows the weights it reads, so ranks
-    with less attention take more MLP rows until the weights even out (9 query heads over
-    3 KV heads on 2 ranks: 6 and 3 heads; SmolLM2's 1,536 rows go 688 and 848). Equal
-    attention: equal rows, as Megatron splits."""
-    size = len(heads)
-    inter = config.intermediate_size
-    if len(set(zip(heads, kv_heads))) == 1:
-        rows = [inter // size] * size
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # Per rank, H * D * (2 q/o + 2 k/v heads) attention weights against 3 H per MLP row.
-        attn = [head_dim * (2 * h + 2 * k) for h, k in zip(heads, kv_heads)]
-        mean = sum(attn) / size
-        rows = [max(0, round((inter / size + (mean - a) / 3) / _MLP_ROW_ALIGN) * _MLP_ROW_ALIGN) for a in attn]
-        rows[-1] = inter - sum(rows[:-1])
-        if min(rows) <= 0:
-            rows = [inter // size] * size
-    return [(sum(rows[:r]), rows[r]) for r in range(size)]
-
-
 def check_split(config, size: int, field: str = "tensor_parallel_size") -> None:
     """Refuses, naming ``field``, a split of ``config``'s model (a transformers config, or
     anything with its attribute names) into ``size`` ranks that its layers do not allow:
@@ -131,8 +102,7 @@ class Split:
     q_first: int        # the model's index of its first query head
     kv_heads: int       # its KV heads (``kv_partition``)
     kv_first: int       # the model's index of its first KV head
-    inter: int          # its rows of the MLP's intermediate size (``mlp_partition``)
-    inter_first: int    # the model's index of its first MLP row
+    inter: int          # its rows of the MLP's intermediate size
     vocab: int          # rows per vocabulary slice: ceil(V / size), the last one zero-padded
 
     @classmethod
@@ -140,17 +110,15 @@ class Split:
         check_split(config, size, field)
         heads, kv_heads = _heads(config)
         group = heads // kv_heads                        # query heads per KV head
-        attn = []
-        for r, (kv_first, local_kv) in enumerate(kv_partition(kv_heads, size)):
-            if kv_heads >= size:
-                attn.append((kv_first * group, local_kv * group, kv_first, local_kv))
-            else:
-                # Replicas of one KV head share its query heads.
-                local_q = group // (size // kv_heads)
-                attn.append((r * local_q, local_q, kv_first, local_kv))
-        inter_first, inter = mlp_partition(config, [a[1] for a in attn], [a[3] for a in attn])[rank]
+        kv_first, local_kv = kv_partition(kv_heads, size)[rank]
+        if kv_heads >= size:
+            q_first, local_q = kv_first * group, local_kv * group
+        else:
+            # Replicas of one KV head share its query heads.
+            local_q = group // (size // kv_heads)
+            q_first = rank * local_q
         vocab = -(-config.vocab_size // size)
-        return cls(rank, size, attn[rank][1], attn[rank][0], attn[rank][3], attn[rank][2], inter, inter_first, vocab)
+        return cls(rank, size, local_q, q_first, local_kv, kv_first, config.intermediate_size // size, vocab)
 
     def vocab_rows(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a [V, D] embedding or head, zero rows past V."""
