@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
 
 from specray.workers.eagle3_loader import Eagle3Checkpoint
 from specray.workers.llama_model import rms_norm
@@ -122,9 +121,13 @@ class Eagle3Head:
         return full.index_copy_(1, self.target_ids, logits)
 
 
-def _rotary_config(ckpt: Eagle3Checkpoint) -> LlamaConfig:
+def _rotary_config(ckpt: Eagle3Checkpoint):
     """A transformers config of the head's RoPE settings (its config's, not the target's),
     so every static rope type is computed as transformers' rotary module computes it."""
+    # Here, not at module level: every target worker imports this module, and transformers
+    # is seconds of its start; only a worker that loads a head needs it.
+    from transformers import LlamaConfig
+
     conf = {k: ckpt.config[k] for k in _ROPE_KEYS if k in ckpt.config}
     cfg = LlamaConfig(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
                       num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1, **conf)

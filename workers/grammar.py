@@ -31,7 +31,6 @@ import functools
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy as lnp
 import numpy as np
 import torch
@@ -59,7 +58,11 @@ class GrammarTokenizer:
         eos = eos_ids or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else None)
         if getattr(hf_tokenizer, "backend_tokenizer", None) is not None:
             try:
-                return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size)
+                # Here, not at module level: it imports transformers, which a worker that
+                # never builds a grammar's tokenizer does not need (seconds of its start).
+                from llguidance.hf import from_tokenizer
+
+                return cls(from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size)
             except ValueError as e:      # llguidance knows byte-level BPE and similar decoders, not all
                 raise ValueError(f"structured_output cannot use the model's tokenizer: {e}") from None
         offset = len(hf_tokenizer) - 256

@@ -284,6 +284,7 @@ def test_a_native_worker_starts_without_transformers(dirs):
     worker's start: a checkpoint the native executor runs, whose config.json says all it
     reads, is loaded without it."""
     code = ("import sys; from specray_testing import model_runner; "
+            "import specray.workers.target_worker, specray.workers.draft_worker; "
             f"r = model_runner({dirs['llama_gqa']!r}, block_size=4, num_kv_blocks=8); "
             "print(r.executor, any(m.split('.')[0] == 'transformers' for m in sys.modules))")
     tests = os.path.dirname(os.path.dirname(__file__))         # where specray_testing lives
