@@ -126,11 +126,15 @@ def _rotary_config(ckpt: Eagle3Checkpoint):
     so every static rope type is computed as transformers' rotary module computes it."""
     # Here, not at module level: every target worker imports this module, and transformers
     # is seconds of its start; only a worker that loads a head needs it.
-    from transformers import LlamaConfig
+    from specray.workers.model_loader import TRANSFORMERS_LOCK
 
     conf = {k: ckpt.config[k] for k in _ROPE_KEYS if k in ckpt.config}
-    cfg = LlamaConfig(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
-                      num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1, **conf)
+    with TRANSFORMERS_LOCK:
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
+                          num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1,
+                          **conf)
     rt = rope_type(cfg)
     if rt not in STATIC_ROPE_TYPES:
         raise ValueError(f"{ckpt.path}: rope_scaling type {rt!r} changes with the sequence length; an EAGLE-3 head "

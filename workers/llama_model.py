@@ -96,9 +96,12 @@ def _activation(name: str):
     # The plain function where it is one: a module call costs more than SiLU itself at batch 1.
     if name in ("silu", "swish"):
         return F.silu
-    from transformers.activations import ACT2FN
+    from specray.workers.model_loader import TRANSFORMERS_LOCK
 
-    return ACT2FN[name]
+    with TRANSFORMERS_LOCK:
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[name]
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,13 @@ from specray.workers.model_files import looks_local, read_config, resolve_model_
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-# One load at a time in a process: from_pretrained builds on process-wide state (its
-# meta-device init), so two threads loading at once (the ranks of a tensor-parallel group
-# in one process) can meet each other's half-built modules.
-_LOAD_LOCK = threading.Lock()
+# A process enters transformers under this lock, one thread at a time: from_pretrained
+# builds on process-wide state (its meta-device init), so two threads loading at once (the
+# ranks of a tensor-parallel group in one process) can meet each other's half-built
+# modules; and transformers' lazy modules are not safe to import from two threads at once
+# (a driver loads its tokenizer while a thread builds the target and its EAGLE-3 head: the
+# second importer got "cannot import name"). Reentrant: a holder may call another entry.
+TRANSFORMERS_LOCK = threading.RLock()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,11 +66,12 @@ def load_config(path: str):
 
 def transformers_config(path: str):
     """The model's config as transformers reads it (its family's defaults filled in)."""
-    from transformers import AutoConfig
-
     where = resolve_model_path(path)
     try:
-        return AutoConfig.from_pretrained(where)
+        with TRANSFORMERS_LOCK:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(where)
     except Exception as e:
         if where == path and not os.path.isdir(path):
             # Not a directory here: transformers took it for a hub id.
@@ -114,13 +118,13 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None
     """Returns (model, config, device, dtype) through transformers; the model attends over
     specray's paged cache. ``config``: the model's transformers config, where the caller
     has read it already."""
-    from transformers import AutoModelForCausalLM
-
     dev = resolve_device(device)
     if config is None or isinstance(config, native_config.NativeConfig):
         config = transformers_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
-    with _LOAD_LOCK:
+    with TRANSFORMERS_LOCK:
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
         # The attention setting lives on the config: each model has its own config object.
         model.set_attn_implementation(paged_attention.register())
@@ -129,9 +133,10 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    with TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+        return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

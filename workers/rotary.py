@@ -32,9 +32,12 @@ def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     if rt not in STATIC_ROPE_TYPES:
         raise ValueError(f"rope_type {rt!r} changes with the sequence length")
     if rt != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from specray.workers.model_loader import TRANSFORMERS_LOCK
 
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rt](config)
+        with TRANSFORMERS_LOCK:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rt](config)
         return inv_freq, float(scale)
     params = getattr(config, "rope_parameters", None) or {}
     base = params.get("rope_theta", getattr(config, "rope_theta", None))
