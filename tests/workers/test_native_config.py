@@ -96,17 +96,11 @@ def _same_reading(native, hf) -> None:
     assert model_loader.eos_token_ids(native) == model_loader.eos_token_ids(hf)
 
 
-@pytest.mark.parametrize("name", list(SAVED))
-def test_a_config_transformers_saved_reads_as_transformers_reads_it(name, tmp_path):
-    path = _saved(tmp_path, name)
-    native = model_loader.load_config(path)
-    assert isinstance(native, native_config.NativeConfig)
-    _same_reading(native, AutoConfig.from_pretrained(path))
-
-
-@pytest.mark.parametrize("name", list(HUB))
-def test_an_older_layout_reads_as_transformers_reads_it(name, tmp_path):
-    path = _write(tmp_path, name, HUB[name])
+@pytest.mark.parametrize("name, source", [(n, "saved") for n in SAVED] + [(n, "hub") for n in HUB])
+def test_a_file_the_executor_can_read_alone_reads_as_transformers_reads_it(name, source, tmp_path):
+    """Files transformers' config classes saved, and older layouts as hub checkpoints
+    have them."""
+    path = _saved(tmp_path, name) if source == "saved" else _write(tmp_path, name, HUB[name])
     native = model_loader.load_config(path)
     assert isinstance(native, native_config.NativeConfig)
     _same_reading(native, AutoConfig.from_pretrained(path))
