@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specray.workers import transformers_import
 from specray.workers.eagle3_loader import Eagle3Checkpoint
 from specray.workers.llama_model import rms_norm
 from specray.workers.paged_attention import AttentionMetadata, attend
@@ -124,17 +125,12 @@ class Eagle3Head:
 def _rotary_config(ckpt: Eagle3Checkpoint):
     """A transformers config of the head's RoPE settings (its config's, not the target's),
     so every static rope type is computed as transformers' rotary module computes it."""
-    # Here, not at module level: every target worker imports this module, and transformers
-    # is seconds of its start; only a worker that loads a head needs it.
-    from specray.workers.model_loader import TRANSFORMERS_LOCK
-
+    # Imported here, not at module level: every target worker imports this module, and
+    # transformers is seconds of its start; only a worker that loads a head needs it.
+    llama_config = transformers_import.attr("transformers", "LlamaConfig")
     conf = {k: ckpt.config[k] for k in _ROPE_KEYS if k in ckpt.config}
-    with TRANSFORMERS_LOCK:
-        from transformers import LlamaConfig
-
-        cfg = LlamaConfig(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
-                          num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1,
-                          **conf)
+    cfg = llama_config(hidden_size=ckpt.hidden_size, num_attention_heads=ckpt.num_heads,
+                       num_key_value_heads=ckpt.num_kv_heads, head_dim=ckpt.head_dim, num_hidden_layers=1, **conf)
     rt = rope_type(cfg)
     if rt not in STATIC_ROPE_TYPES:
         raise ValueError(f"{ckpt.path}: rope_scaling type {rt!r} changes with the sequence length; an EAGLE-3 head "

@@ -37,6 +37,7 @@ import torch
 
 from specray.scheduler.messages import StepPlan
 from specray.scheduler.structured_output import StructuredOutput, check_grammar
+from specray.workers import transformers_import
 from specray.workers.errors import PlanError
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -58,10 +59,9 @@ class GrammarTokenizer:
         eos = eos_ids or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else None)
         if getattr(hf_tokenizer, "backend_tokenizer", None) is not None:
             try:
-                # Here, not at module level: it imports transformers, which a worker that
-                # never builds a grammar's tokenizer does not need (seconds of its start).
-                from llguidance.hf import from_tokenizer
-
+                # Imported here, not at module level: it imports transformers, which a
+                # worker that never builds a grammar's tokenizer does not need.
+                from_tokenizer = transformers_import.attr("llguidance.hf", "from_tokenizer")
                 return cls(from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size)
             except ValueError as e:      # llguidance knows byte-level BPE and similar decoders, not all
                 raise ValueError(f"structured_output cannot use the model's tokenizer: {e}") from None

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specray.workers import transformers_import
 from specray.workers.paged_attention import AttentionMetadata, QueryTail, attend, write_kv
 from specray.workers.rotary import STATIC_ROPE_TYPES, RotaryTable, apply_rotary, rope_type
 from specray.workers.tensor_parallel import RankGroup, Split
@@ -96,12 +97,7 @@ def _activation(name: str):
     # The plain function where it is one: a module call costs more than SiLU itself at batch 1.
     if name in ("silu", "swish"):
         return F.silu
-    from specray.workers.model_loader import TRANSFORMERS_LOCK
-
-    with TRANSFORMERS_LOCK:
-        from transformers.activations import ACT2FN
-
-        return ACT2FN[name]
+    return transformers_import.attr("transformers.activations", "ACT2FN")[name]
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

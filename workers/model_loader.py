@@ -15,22 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 
 import torch
 
-from specray.workers import native_config, paged_attention
+from specray.workers import native_config, paged_attention, transformers_import
 from specray.workers.model_files import looks_local, read_config, resolve_model_path  # noqa: F401 - their home for callers
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-# A process enters transformers under this lock, one thread at a time: from_pretrained
-# builds on process-wide state (its meta-device init), so two threads loading at once (the
-# ranks of a tensor-parallel group in one process) can meet each other's half-built
-# modules; and transformers' lazy modules are not safe to import from two threads at once
-# (a driver loads its tokenizer while a thread builds the target and its EAGLE-3 head: the
-# second importer got "cannot import name"). Reentrant: a holder may call another entry.
-TRANSFORMERS_LOCK = threading.RLock()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,7 +60,7 @@ def transformers_config(path: str):
     """The model's config as transformers reads it (its family's defaults filled in)."""
     where = resolve_model_path(path)
     try:
-        with TRANSFORMERS_LOCK:
+        with transformers_import.LOCK:
             from transformers import AutoConfig
 
             return AutoConfig.from_pretrained(where)
@@ -122,7 +114,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None
     if config is None or isinstance(config, native_config.NativeConfig):
         config = transformers_config(path)
     torch_dtype = resolve_dtype(dtype, dev, config)
-    with TRANSFORMERS_LOCK:
+    with transformers_import.LOCK:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), config=config, dtype=torch_dtype)
@@ -133,7 +125,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "auto", config=None
 
 
 def load_tokenizer(path: str):
-    with TRANSFORMERS_LOCK:
+    with transformers_import.LOCK:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(resolve_model_path(path))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from specray.workers import transformers_import
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -32,12 +34,8 @@ def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     if rt not in STATIC_ROPE_TYPES:
         raise ValueError(f"rope_type {rt!r} changes with the sequence length")
     if rt != "default":
-        from specray.workers.model_loader import TRANSFORMERS_LOCK
-
-        with TRANSFORMERS_LOCK:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rt](config)
+        init = transformers_import.attr("transformers.modeling_rope_utils", "ROPE_INIT_FUNCTIONS")[rt]
+        inv_freq, scale = init(config)
         return inv_freq, float(scale)
     params = getattr(config, "rope_parameters", None) or {}
     base = params.get("rope_theta", getattr(config, "rope_theta", None))
